@@ -1,0 +1,180 @@
+"""Engine configuration: documented dataclasses, built from keywords or CLI flags.
+
+Names follow vLLM's engine arguments where the concept is the same, so that
+``EngineConfig(max_num_seqs=64)`` and ``--max-num-seqs 64`` mean what a vLLM user
+expects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+class ConfigError(ValueError):
+    """An engine setting is invalid or inconsistent with the model."""
+
+
+@dataclass
+class EngineConfig:
+    """Settings of one EngineCore. Every field is also a CLI flag (``--field-name``)."""
+
+    model: str = field(
+        default="", metadata={"help": "Path to a local Hugging Face checkpoint directory."}
+    )
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = field(
+        default="auto",
+        metadata={"help": "Weight and activation dtype; auto is float32 on CPU, bfloat16 on CUDA."},
+    )
+    device: str = field(
+        default="auto", metadata={"help": "Torch device: auto, cpu or cuda[:N]."}
+    )
+    max_model_len: int | None = field(
+        default=None,
+        metadata={"help": "Longest prompt + output in tokens; default is the model's limit."},
+    )
+    max_num_seqs: int = field(
+        default=128, metadata={"help": "Most requests that run in one engine step."}
+    )
+    max_num_batched_tokens: int = field(
+        default=2048,
+        metadata={"help": "Token budget of one engine step (prefill chunks plus decodes)."},
+    )
+    block_size: int = field(default=16, metadata={"help": "Tokens per KV-cache block."})
+    enable_prefix_caching: bool = field(
+        default=True, metadata={"help": "Reuse KV blocks of identical prompt prefixes."}
+    )
+    enable_chunked_prefill: bool = field(
+        default=True,
+        metadata={"help": "Split long prompts over several steps to fit the token budget."},
+    )
+    kv_cache_memory_bytes: int | None = field(
+        default=None,
+        metadata={"help": "KV-cache budget in bytes; default 2 GiB on CPU, see gpu_memory_utilization on CUDA."},
+    )
+    num_gpu_blocks_override: int | None = field(
+        default=None, metadata={"help": "Use exactly this many KV blocks (testing, benchmarks)."}
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9,
+        metadata={"help": "On CUDA: fraction of device memory the engine may use, KV cache included."},
+    )
+    scheduling_policy: Literal["fcfs", "priority"] = field(
+        default="fcfs",
+        metadata={"help": "fcfs: arrival order; priority: lower priority value first, then arrival."},
+    )
+    max_logprobs: int = field(
+        default=20, metadata={"help": "Largest number of logprobs a request may ask for."}
+    )
+    seed: int = field(default=0, metadata={"help": "Seed of the engine's default random generator."})
+    attention_backend: Literal["auto", "torch", "triton"] = field(
+        default="auto",
+        metadata={"help": "auto: Triton on CUDA, PyTorch on CPU."},
+    )
+    num_threads: int | None = field(
+        default=None, metadata={"help": "torch intra-op threads on CPU; default: all cores."}
+    )
+
+    def __post_init__(self) -> None:
+        self._check_positive("max_num_seqs")
+        self._check_positive("max_num_batched_tokens")
+        self._check_positive("block_size")
+        self._check_positive("max_logprobs", allow_zero=True)
+        if self.max_model_len is not None:
+            self._check_positive("max_model_len")
+        if self.kv_cache_memory_bytes is not None:
+            self._check_positive("kv_cache_memory_bytes")
+        if self.num_gpu_blocks_override is not None:
+            self._check_positive("num_gpu_blocks_override")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ConfigError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ConfigError(
+                f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}"
+            )
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ConfigError(
+                f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
+            )
+
+    def _check_positive(self, name: str, allow_zero: bool = False) -> None:
+        value = getattr(self, name)
+        if not isinstance(value, int) or value < 0 or (value == 0 and not allow_zero):
+            raise ConfigError(f"{name} must be a {'non-negative' if allow_zero else 'positive'} integer, got {value!r}")
+
+    # ---- resolved settings -------------------------------------------------
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+    @property
+    def resolved_attention_backend(self) -> Literal["torch", "triton"]:
+        if self.attention_backend == "auto":
+            return "triton" if self.torch_device.type == "cuda" else "torch"
+        return self.attention_backend
+
+    # ---- CLI ---------------------------------------------------------------
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Add one ``--flag`` per field; env var ``TANDEM_<FIELD>`` gives the default."""
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            env_default = os.environ.get("TANDEM_" + f.name.upper())
+            default: Any = f.default
+            help_text = f.metadata.get("help", "")
+            if f.type in ("bool", bool):
+                parser.add_argument(
+                    flag,
+                    action=argparse.BooleanOptionalAction,
+                    default=_parse_bool(env_default) if env_default is not None else default,
+                    help=help_text,
+                )
+                continue
+            conv = _field_converter(f)
+            if env_default is not None:
+                default = conv(env_default)
+            parser.add_argument(flag, type=conv, default=default, help=help_text)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineConfig:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def _parse_bool(text: str) -> bool:
+    return text.strip().lower() in ("1", "true", "yes", "on")
+
+
+def _field_converter(f: dataclasses.Field[Any]) -> Any:
+    type_text = str(f.type)
+    if "int" in type_text and "float" not in type_text:
+        return int
+    if "float" in type_text:
+        return float
+    return str

@@ -1,0 +1,113 @@
+"""What goes into and comes out of an EngineCore: the domain twins of the protobuf messages.
+
+The gRPC servicers convert these to and from ``tandem.v1`` messages at the edge; the
+core never sees protobuf.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine_service.sampling_params import SamplingParams
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request finished; values match the protobuf enum (0 is "not finished")."""
+
+    STOP = 1  # EOS, a stop token or a stop string
+    LENGTH = 2  # max_tokens or max_model_len reached
+    ABORT = 3  # aborted by the client or the frontend
+    ERROR = 4  # the engine failed while running it
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+@dataclass
+class EngineCoreRequest:
+    """A request as the engine receives it: tokens in, no text."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.time)
+    priority: int = 0
+    cache_salt: str | None = None
+    client_index: int = 0
+    external_req_id: str | None = None
+    trace_headers: dict[str, str] | None = None
+
+
+@dataclass
+class Logprobs:
+    """Packed logprobs for a run of positions: row i is position i.
+
+    Column 0 is the chosen token (sampled, or the actual next prompt token); columns
+    1..k are the top-k tokens by logprob.
+    """
+
+    token_ids: list[list[int]]  # [num_positions, k + 1]
+    logprobs: list[list[float]]  # [num_positions, k + 1]
+    ranks: list[int]  # [num_positions] rank of the chosen token (1 = most likely)
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one request produced in one engine step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: Logprobs | None = None
+    # Set once, on the step that finishes the request's prefill. Row i is prompt
+    # position i + 1 (the first prompt token has no logprob).
+    new_prompt_logprobs: Logprobs | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id (or stop string, frontend)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    trace_headers: dict[str, str] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerStats:
+    """The scheduler's state after one step; load balancing and metrics read it."""
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use, [0, 1]
+    prefix_cache_queries: int = 0  # prompt tokens looked up this step
+    prefix_cache_hits: int = 0  # of which found in the cache
+    num_preemptions: int = 0  # preemptions this step
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+
+
+@dataclass
+class UtilityOutput:
+    """The answer to a utility call: a result or a failure message."""
+
+    call_id: int
+    result: Any = None
+    failure_message: str | None = None
+
+
+@dataclass
+class EngineCoreOutputs:
+    """Everything one engine step produced, for all requests of one client."""
+
+    engine_index: int = 0
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = field(default_factory=time.monotonic)
+    utility_output: UtilityOutput | None = None
+    finished_requests: set[str] | None = None

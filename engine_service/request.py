@@ -1,0 +1,106 @@
+"""Per-request state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from engine_service.outputs import EngineCoreRequest, FinishReason
+from engine_service.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED = enum.auto()
+
+
+class Request:
+    """One sequence being generated.
+
+    Invariant: ``num_computed_tokens <= num_tokens``; the tokens in
+    ``[num_computed_tokens, num_tokens)`` still need a forward pass. A prompt chunk,
+    a prefix-cache hit and a decode step all just move ``num_computed_tokens``.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None,
+        arrival_time: float,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        client_index: int = 0,
+        trace_headers: dict[str, str] | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.client_index = client_index
+        self.trace_headers = trace_headers
+
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        # prompt + output; appended to as tokens are sampled.
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet
+        self.num_preemptions = 0
+        self.finish_reason: FinishReason | None = None
+        self.stop_reason: int | str | None = None
+        # Chained hashes of the request's full blocks, extended as tokens arrive.
+        self.block_hashes: list[int] = []
+        self.generator: torch.Generator | None = None
+        if sampling_params.seed is not None:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(sampling_params.seed)
+        # Prompt logprobs are emitted once, on the step that completes the prefill.
+        self.prompt_logprobs_pending = sampling_params.prompt_logprobs is not None
+
+    @classmethod
+    def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:
+        return cls(
+            request_id=req.request_id,
+            prompt_token_ids=list(req.prompt_token_ids),
+            sampling_params=req.sampling_params,
+            eos_token_id=req.eos_token_id,
+            arrival_time=req.arrival_time,
+            priority=req.priority,
+            cache_salt=req.cache_salt,
+            client_index=req.client_index,
+            trace_headers=req.trace_headers,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens})"
+        )

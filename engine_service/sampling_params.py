@@ -1,0 +1,143 @@
+"""Sampling parameters of one request, and their validation."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class InvalidRequestError(ValueError):
+    """A request field has a bad value. Maps to gRPC INVALID_ARGUMENT.
+
+    ``field`` names the offending field so a client sees exactly what to fix.
+    """
+
+    def __init__(self, field: str, value: Any, reason: str) -> None:
+        self.field = field
+        self.value = value
+        self.reason = reason
+        shown = repr(value)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        super().__init__(f"invalid {field}={shown}: {reason}")
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each streamed output of a request carries."""
+
+    CUMULATIVE = 0  # everything generated so far
+    DELTA = 1  # only what is new since the last output
+    FINAL_ONLY = 2  # one output when the request finishes
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop; field names and meanings follow vLLM."""
+
+    n: int = 1
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # in (0, 1]
+    top_k: int | None = None  # None or -1: disabled; else >= 1
+    min_p: float = 0.0  # in [0, 1]
+    seed: int | None = None  # per-request generator: same tokens whatever the batch
+    presence_penalty: float = 0.0  # in [-2, 2]
+    frequency_penalty: float = 0.0  # in [-2, 2]
+    repetition_penalty: float = 1.0  # > 0; applies to prompt and output tokens
+    logit_bias: dict[int, float] | None = None  # token id -> added logit
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0  # EOS and stop tokens are masked until this many are out
+    stop: list[str] = field(default_factory=list)  # stop strings (frontend-side)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # top-N logprobs per sampled token (plus the sampled one)
+    prompt_logprobs: int | None = None  # top-N logprobs per prompt token
+    skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k is not None and self.top_k != -1
+
+    def validate(self, vocab_size: int | None = None, max_logprobs: int | None = None) -> None:
+        """Raise InvalidRequestError naming the first bad field."""
+        _int_at_least("n", self.n, 1)
+        _finite("temperature", self.temperature)
+        if self.temperature < 0:
+            raise InvalidRequestError("temperature", self.temperature, "must be >= 0")
+        _finite("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError("top_p", self.top_p, "must be in (0, 1]")
+        if self.top_k is not None and self.top_k != -1:
+            _int_at_least("top_k", self.top_k, 1, extra="or -1 to disable")
+        _finite("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError("min_p", self.min_p, "must be in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _finite(name, value)
+            if not -2.0 <= value <= 2.0:
+                raise InvalidRequestError(name, value, "must be in [-2, 2]")
+        _finite("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise InvalidRequestError("repetition_penalty", self.repetition_penalty, "must be > 0")
+        if self.max_tokens is not None:
+            _int_at_least("max_tokens", self.max_tokens, 1)
+        _int_at_least("min_tokens", self.min_tokens, 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                "min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})"
+            )
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise InvalidRequestError("seed", self.seed, "must be an integer")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            _int_at_least(name, value, 0)
+            if max_logprobs is not None and value > max_logprobs:
+                raise InvalidRequestError(
+                    name, value, f"must be <= the engine's max_logprobs ({max_logprobs})"
+                )
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError("stop", self.stop, "stop strings must be non-empty")
+        if vocab_size is not None:
+            _token_ids_in_vocab("stop_token_ids", self.stop_token_ids, vocab_size)
+            if self.allowed_token_ids is not None:
+                if not self.allowed_token_ids:
+                    raise InvalidRequestError(
+                        "allowed_token_ids", self.allowed_token_ids, "must not be empty"
+                    )
+                _token_ids_in_vocab("allowed_token_ids", self.allowed_token_ids, vocab_size)
+            if self.logit_bias:
+                _token_ids_in_vocab("logit_bias", list(self.logit_bias), vocab_size)
+                for token, bias in self.logit_bias.items():
+                    _finite(f"logit_bias[{token}]", bias)
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise InvalidRequestError("output_kind", self.output_kind, "unknown output kind")
+
+
+def _finite(name: str, value: Any) -> None:
+    if not isinstance(value, int | float) or value != value or value in (
+        float("inf"),
+        float("-inf"),
+    ):
+        raise InvalidRequestError(name, value, "must be a finite number")
+
+
+def _int_at_least(name: str, value: Any, low: int, extra: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        suffix = f" {extra}" if extra else ""
+        raise InvalidRequestError(name, value, f"must be an integer >= {low}{suffix}")
+
+
+def _token_ids_in_vocab(name: str, ids: list[int], vocab_size: int) -> None:
+    for token in ids:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+            raise InvalidRequestError(name, token, f"token id outside the vocabulary [0, {vocab_size})")

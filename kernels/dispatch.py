@@ -1,0 +1,40 @@
+"""One op layer for the model code: picks the PyTorch or the Triton implementation.
+
+The model calls ``ops.paged_attention(...)`` etc. on the ``KernelOps`` it was given and
+never knows which backend runs. Triton is imported only when the Triton backend is
+asked for, so the CPU path never imports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class KernelOps:
+    """The kernels one model forward uses; see ``kernels.reference`` for signatures."""
+
+    name: str
+    reshape_and_cache: Callable[..., None]
+    paged_attention: Callable[..., Any]
+    rms_norm: Callable[..., Any]
+    rotary_embedding: Callable[..., None]
+
+
+def get_ops(backend: str) -> KernelOps:
+    """Return the ops of ``backend`` ("torch" or "triton")."""
+    if backend == "torch":
+        from kernels import reference as mod
+    elif backend == "triton":
+        from kernels import triton_ops as mod  # imports triton
+    else:
+        raise ValueError(f"unknown attention backend {backend!r}; expected 'torch' or 'triton'")
+    return KernelOps(
+        name=backend,
+        reshape_and_cache=mod.reshape_and_cache,
+        paged_attention=mod.paged_attention,
+        rms_norm=mod.rms_norm,
+        rotary_embedding=mod.rotary_embedding,
+    )
