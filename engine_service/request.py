@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import torch
 
@@ -64,6 +65,8 @@ class Request:
             self.generator.manual_seed(sampling_params.seed)
         # Prompt logprobs are emitted once, on the step that completes the prefill.
         self.prompt_logprobs_pending = sampling_params.prompt_logprobs is not None
+        # Prompt logprobs of the prefill chunks computed so far (sampler LogprobsTensors).
+        self.prompt_logprobs_chunks: list[Any] = []
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:

@@ -1,0 +1,127 @@
+"""Per-request block tables on top of the BlockPool, with automatic prefix caching."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine_service.kv_cache.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from engine_service.request import Request
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counts since the last ``take_stats``: prompt tokens looked up and found."""
+
+    queries: int = 0
+    hits: int = 0
+
+
+class KVCacheManager:
+    """Maps each request to the blocks holding its KV and finds prefix-cache hits.
+
+    A request's block ``i`` holds its tokens ``[i * block_size, (i + 1) * block_size)``.
+    Full blocks whose KV has been computed are registered under their chained hash, so
+    a later request with the same prefix (and cache salt) reuses them.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        # request id -> how many of its leading blocks are already registered.
+        self.num_registered: dict[str, int] = {}
+        self.stats = PrefixCacheStats()
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def _update_block_hashes(self, request: Request) -> None:
+        """Extend ``request.block_hashes`` to cover every full block of its tokens."""
+        bs = self.block_size
+        tokens = request.all_token_ids
+        hashes = request.block_hashes
+        for i in range(len(hashes), len(tokens) // bs):
+            parent = hashes[-1] if hashes else None
+            salt = request.cache_salt if i == 0 else None
+            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], salt))
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of a request that has nothing computed yet.
+
+        At least one token is always left to compute, so the step produces logits.
+        Returns the hit blocks (not yet referenced) and the number of tokens they hold.
+        """
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            # Prompt logprobs need the logits of every prompt position.
+            return [], 0
+        self._update_block_hashes(request)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        num_hit_tokens = len(hits) * self.block_size
+        self.stats.queries += request.num_tokens
+        self.stats.hits += num_hit_tokens
+        return hits, num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+    ) -> bool:
+        """Give the request blocks for ``num_new_tokens`` more tokens after its computed ones.
+
+        ``new_computed_blocks`` are prefix-cache hits found by ``get_computed_blocks``.
+        Returns False, changing nothing, when the free blocks do not suffice.
+        """
+        hits = new_computed_blocks or []
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(hits) * self.block_size
+        needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(blocks) - len(hits)
+        # Hits sitting in the free queue stop being allocatable once touched.
+        free_hits = sum(1 for b in hits if b.ref_cnt == 0)
+        if needed > self.pool.num_free_blocks - free_hits:
+            if not blocks:
+                del self.req_blocks[request.request_id]
+            return False
+        if hits:
+            self.pool.touch(hits)
+            blocks.extend(hits)
+        if needed > 0:
+            blocks.extend(self.pool.get_new_blocks(needed))
+        return True
+
+    def cache_blocks(self, request: Request) -> None:
+        """Register the request's full blocks whose KV is computed (call after a step)."""
+        if not self.enable_caching:
+            return
+        self._update_block_hashes(request)
+        blocks = self.req_blocks.get(request.request_id, [])
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+        start = self.num_registered.get(request.request_id, 0)
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], request.block_hashes[i])
+        self.num_registered[request.request_id] = max(start, num_full)
+
+    def free(self, request: Request) -> None:
+        """Return the request's blocks; the tail goes first so it is evicted first."""
+        blocks = self.req_blocks.pop(request.request_id, None)
+        self.num_registered.pop(request.request_id, None)
+        if blocks:
+            self.pool.free_blocks(reversed(blocks))
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.reset_prefix_cache()
+
+    def take_stats(self) -> PrefixCacheStats:
+        stats, self.stats = self.stats, PrefixCacheStats()
+        return stats

@@ -1,0 +1,263 @@
+"""Continuous-batching scheduler: who runs this step, and with how many tokens."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine_service.kv_cache.manager import KVCacheManager
+from engine_service.outputs import FinishReason, SchedulerStats
+from engine_service.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens [num_computed_tokens, num_computed_tokens + n) run now
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of the request's known tokens (and samples)."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_scheduled_tokens: int = 0
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class WaitingQueue:
+    """Requests not running: FCFS order, or (priority, arrival) order."""
+
+    def __init__(self, policy: str) -> None:
+        self.policy = policy
+        self._fifo: deque[Request] = deque()
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._counter = itertools.count()
+
+    def add(self, request: Request, front: bool = False) -> None:
+        if self.policy == "priority":
+            key = (request.priority, request.arrival_time, next(self._counter), request)
+            heapq.heappush(self._heap, key)
+        elif front:
+            self._fifo.appendleft(request)
+        else:
+            self._fifo.append(request)
+
+    def peek(self) -> Request:
+        return self._heap[0][3] if self.policy == "priority" else self._fifo[0]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[3] if self.policy == "priority" else self._fifo.popleft()
+
+    def remove(self, request: Request) -> None:
+        if self.policy == "priority":
+            self._heap = [e for e in self._heap if e[3] is not request]
+            heapq.heapify(self._heap)
+        else:
+            self._fifo.remove(request)
+
+    def __len__(self) -> int:
+        return len(self._heap) if self.policy == "priority" else len(self._fifo)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter([e[3] for e in self._heap] if self.policy == "priority" else self._fifo)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_manager: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        policy: str = "fcfs",
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.kv = kv_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.policy = policy
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.requests: dict[str, Request] = {}
+        self.waiting = WaitingQueue(policy)
+        self.running: list[Request] = []
+        self._num_preemptions = 0
+
+    # ---- request lifecycle -------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the engine")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: list[str], reason: FinishReason) -> list[Request]:
+        """End requests in any state (abort) and free their blocks; unknown ids are ignored."""
+        done = []
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, reason)
+            done.append(request)
+        return done
+
+    def _finish(self, request: Request, reason: FinishReason, stop_reason: int | None = None) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.stop_reason = stop_reason
+        self.kv.free(request)
+        del self.requests[request.request_id]
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    # ---- scheduling ----------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        # The one invariant: every request has num_computed_tokens <= num_tokens, and
+        # a step gives some requests n more tokens to compute, within the step's token
+        # budget (max_num_batched_tokens) and sequence cap (max_num_seqs). A prefill
+        # chunk, a prefix-cache hit (computed tokens granted for free) and a decode
+        # (n = 1) are the same move. Running requests go first; waiting ones are admitted
+        # while budget, sequence slots and KV blocks allow. When blocks run out, the
+        # lowest-priority running request is preempted and recomputed later.
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        for request in list(self.running):
+            if budget <= 0:
+                break
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            n = self._num_tokens_to_schedule(request, budget)
+            if n <= 0:
+                continue
+            while not self.kv.allocate_slots(request, n):
+                victim = self._pick_victim()
+                self._preempt(victim, out)
+                for entry in out.scheduled:
+                    if entry.request is victim:  # give back the victim's share of this step
+                        out.scheduled.remove(entry)
+                        budget += entry.num_new_tokens
+                        break
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(request, n))
+                budget -= n
+
+        if not out.preempted_ids:
+            self._admit_waiting(out, budget)
+        out.num_scheduled_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        return out
+
+    def _num_tokens_to_schedule(self, request: Request, budget: int) -> int:
+        n = request.num_tokens - request.num_computed_tokens
+        # Never compute past max_model_len (the last position is max_model_len - 1).
+        n = min(n, self.max_model_len - request.num_computed_tokens)
+        return min(n, budget)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting.peek()
+            hits, num_hit_tokens = [], 0
+            if request.num_computed_tokens == 0:
+                hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            n = request.num_tokens - request.num_computed_tokens - num_hit_tokens
+            if not self.enable_chunked_prefill and n > budget:
+                break
+            n = min(n, budget)
+            if not self.kv.allocate_slots(request, n, hits):
+                break
+            self.waiting.pop()
+            request.num_computed_tokens += num_hit_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, n))
+            budget -= n
+
+    def _pick_victim(self) -> Request:
+        if self.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        request.prompt_logprobs_chunks.clear()  # recomputed with the prompt
+        self._num_preemptions += 1
+        out.preempted_ids.append(request.request_id)
+        self.waiting.add(request, front=True)
+
+    # ---- after the forward pass -----------------------------------------------
+
+    def update_after_step(
+        self, out: SchedulerOutput, sampled: dict[str, int]
+    ) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, apply stop checks.
+
+        ``sampled`` maps request id -> the token sampled for it this step. Returns the
+        requests that finished this step (already removed and freed).
+        """
+        finished = []
+        for entry in out.scheduled:
+            request = entry.request
+            request.num_computed_tokens += entry.num_new_tokens
+            self.kv.cache_blocks(request)
+            token = sampled.get(request.request_id)
+            if token is None:
+                continue
+            request.append_output_token(token)
+            reason, stop_reason = self._check_stop(request, token)
+            if reason is not None:
+                self.running.remove(request)
+                self._finish(request, reason, stop_reason)
+                finished.append(request)
+        return finished
+
+    def _check_stop(self, request: Request, token: int) -> tuple[FinishReason | None, int | None]:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token == request.eos_token_id:
+                return FinishReason.STOP, None
+            if token in params.stop_token_ids:
+                return FinishReason.STOP, token
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH, None
+        if request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    def stats(self) -> SchedulerStats:
+        cache = self.kv.take_stats()
+        preemptions, self._num_preemptions = self._num_preemptions, 0
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv.usage,
+            prefix_cache_queries=cache.queries,
+            prefix_cache_hits=cache.hits,
+            num_preemptions=preemptions,
+            num_free_blocks=self.kv.pool.num_free_blocks,
+            num_total_blocks=self.kv.pool.num_blocks,
+        )

@@ -1,0 +1,242 @@
+from tandem.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PoolingParams(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EngineCoreRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "pooling_params", "eos_token_id", "arrival_time", "priority", "cache_salt", "client_index", "external_req_id", "trace_headers", "data_parallel_rank")
+    class TraceHeadersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    POOLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_TIME_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    EXTERNAL_REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TRACE_HEADERS_FIELD_NUMBER: _ClassVar[int]
+    DATA_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling_params: _common_pb2.SamplingParams
+    pooling_params: PoolingParams
+    eos_token_id: int
+    arrival_time: float
+    priority: int
+    cache_salt: str
+    client_index: int
+    external_req_id: str
+    trace_headers: _containers.ScalarMap[str, str]
+    data_parallel_rank: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., pooling_params: _Optional[_Union[PoolingParams, _Mapping]] = ..., eos_token_id: _Optional[int] = ..., arrival_time: _Optional[float] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., client_index: _Optional[int] = ..., external_req_id: _Optional[str] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., data_parallel_rank: _Optional[int] = ...) -> None: ...
+
+class AbortRequests(_message.Message):
+    __slots__ = ("request_ids",)
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class UtilityValue(_message.Message):
+    __slots__ = ("int_value", "float_value", "string_value", "bool_value", "bytes_value", "list_value")
+    INT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    FLOAT_VALUE_FIELD_NUMBER: _ClassVar[int]
+    STRING_VALUE_FIELD_NUMBER: _ClassVar[int]
+    BOOL_VALUE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_VALUE_FIELD_NUMBER: _ClassVar[int]
+    LIST_VALUE_FIELD_NUMBER: _ClassVar[int]
+    int_value: int
+    float_value: float
+    string_value: str
+    bool_value: bool
+    bytes_value: bytes
+    list_value: UtilityValueList
+    def __init__(self, int_value: _Optional[int] = ..., float_value: _Optional[float] = ..., string_value: _Optional[str] = ..., bool_value: _Optional[bool] = ..., bytes_value: _Optional[bytes] = ..., list_value: _Optional[_Union[UtilityValueList, _Mapping]] = ...) -> None: ...
+
+class UtilityValueList(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedCompositeFieldContainer[UtilityValue]
+    def __init__(self, values: _Optional[_Iterable[_Union[UtilityValue, _Mapping]]] = ...) -> None: ...
+
+class UtilityCall(_message.Message):
+    __slots__ = ("call_id", "method", "args")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    ARGS_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    method: str
+    args: _containers.RepeatedCompositeFieldContainer[UtilityValue]
+    def __init__(self, call_id: _Optional[int] = ..., method: _Optional[str] = ..., args: _Optional[_Iterable[_Union[UtilityValue, _Mapping]]] = ...) -> None: ...
+
+class UtilityOutput(_message.Message):
+    __slots__ = ("call_id", "result", "failure_message")
+    CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    call_id: int
+    result: UtilityValue
+    failure_message: str
+    def __init__(self, call_id: _Optional[int] = ..., result: _Optional[_Union[UtilityValue, _Mapping]] = ..., failure_message: _Optional[str] = ...) -> None: ...
+
+class Hello(_message.Message):
+    __slots__ = ("client_index", "tokenizer_fingerprint")
+    CLIENT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    client_index: int
+    tokenizer_fingerprint: str
+    def __init__(self, client_index: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
+
+class EngineCoreInput(_message.Message):
+    __slots__ = ("add", "abort", "utility", "hello")
+    ADD_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    UTILITY_FIELD_NUMBER: _ClassVar[int]
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    add: EngineCoreRequest
+    abort: AbortRequests
+    utility: UtilityCall
+    hello: Hello
+    def __init__(self, add: _Optional[_Union[EngineCoreRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequests, _Mapping]] = ..., utility: _Optional[_Union[UtilityCall, _Mapping]] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ...) -> None: ...
+
+class EngineCoreOutput(_message.Message):
+    __slots__ = ("request_id", "new_token_ids", "new_logprobs", "new_prompt_logprobs", "finish_reason", "stop_token_id", "stop_str", "num_cached_tokens", "trace_headers")
+    class TraceHeadersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NEW_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NEW_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    STOP_STR_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_HEADERS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    new_logprobs: _common_pb2.Logprobs
+    new_prompt_logprobs: _common_pb2.Logprobs
+    finish_reason: _common_pb2.FinishReason
+    stop_token_id: int
+    stop_str: str
+    num_cached_tokens: int
+    trace_headers: _containers.ScalarMap[str, str]
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ..., new_prompt_logprobs: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_str: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., trace_headers: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class SchedulerStats(_message.Message):
+    __slots__ = ("num_running_reqs", "num_waiting_reqs", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_free_blocks", "num_total_blocks")
+    NUM_RUNNING_REQS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_REQS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_USAGE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_free_blocks: int
+    num_total_blocks: int
+    def __init__(self, num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ...) -> None: ...
+
+class EngineDead(_message.Message):
+    __slots__ = ("message",)
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    message: str
+    def __init__(self, message: _Optional[str] = ...) -> None: ...
+
+class EngineCoreOutputs(_message.Message):
+    __slots__ = ("engine_index", "outputs", "scheduler_stats", "timestamp", "utility_output", "finished_requests", "engine_dead")
+    ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_STATS_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    UTILITY_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_DEAD_FIELD_NUMBER: _ClassVar[int]
+    engine_index: int
+    outputs: _containers.RepeatedCompositeFieldContainer[EngineCoreOutput]
+    scheduler_stats: SchedulerStats
+    timestamp: float
+    utility_output: UtilityOutput
+    finished_requests: _containers.RepeatedScalarFieldContainer[str]
+    engine_dead: EngineDead
+    def __init__(self, engine_index: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[EngineCoreOutput, _Mapping]]] = ..., scheduler_stats: _Optional[_Union[SchedulerStats, _Mapping]] = ..., timestamp: _Optional[float] = ..., utility_output: _Optional[_Union[UtilityOutput, _Mapping]] = ..., finished_requests: _Optional[_Iterable[str]] = ..., engine_dead: _Optional[_Union[EngineDead, _Mapping]] = ...) -> None: ...
+
+class GetEngineInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetEngineInfoResponse(_message.Message):
+    __slots__ = ("engine_index", "architecture", "model", "served_model_name", "max_model_len", "vocab_size", "block_size", "num_kv_blocks", "num_free_blocks", "num_running_reqs", "num_waiting_reqs", "tokenizer_fingerprint", "max_logprobs", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "dtype", "device")
+    ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_REQS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_REQS_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    engine_index: int
+    architecture: str
+    model: str
+    served_model_name: str
+    max_model_len: int
+    vocab_size: int
+    block_size: int
+    num_kv_blocks: int
+    num_free_blocks: int
+    num_running_reqs: int
+    num_waiting_reqs: int
+    tokenizer_fingerprint: str
+    max_logprobs: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_prefix_caching: bool
+    dtype: str
+    device: str
+    def __init__(self, engine_index: _Optional[int] = ..., architecture: _Optional[str] = ..., model: _Optional[str] = ..., served_model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ("success",)
+    SUCCESS_FIELD_NUMBER: _ClassVar[int]
+    success: bool
+    def __init__(self, success: _Optional[bool] = ...) -> None: ...

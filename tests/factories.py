@@ -1,0 +1,62 @@
+"""Small factories for engine unit tests that need no model."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+from engine_service.kv_cache.manager import KVCacheManager
+from engine_service.request import Request
+from engine_service.sampling_params import SamplingParams
+from engine_service.scheduler import Scheduler, SchedulerOutput
+
+_ids = itertools.count()
+
+
+def make_request(
+    prompt: list[int] | int,
+    max_tokens: int = 8,
+    priority: int = 0,
+    arrival: float | None = None,
+    request_id: str | None = None,
+    **params: object,
+) -> Request:
+    """A request with ``prompt`` tokens (a count gives random ones) and sampling params."""
+    if isinstance(prompt, int):
+        prompt = [random.randrange(1, 1000) for _ in range(prompt)]
+    rid = request_id or f"req-{next(_ids)}"
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, **params)  # type: ignore[arg-type]
+    return Request(rid, list(prompt), sp, eos_token_id=0, arrival_time=arrival or next(_ids), priority=priority)
+
+
+def make_scheduler(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 64,
+    max_model_len: int = 128,
+    policy: str = "fcfs",
+    enable_caching: bool = True,
+    chunked: bool = True,
+) -> Scheduler:
+    kv = KVCacheManager(num_blocks, block_size, enable_caching)
+    return Scheduler(kv, max_num_seqs, max_num_batched_tokens, max_model_len, policy, chunked)
+
+
+def fake_step(scheduler: Scheduler, token: int = 7) -> tuple[SchedulerOutput, list[Request]]:
+    """Schedule, pretend to run, and sample ``token`` for every request that samples."""
+    out = scheduler.schedule()
+    sampled = {s.request.request_id: token for s in out.scheduled if s.samples}
+    finished = scheduler.update_after_step(out, sampled)
+    return out, finished
+
+
+def run_until_done(scheduler: Scheduler, max_steps: int = 10_000) -> int:
+    steps = 0
+    while scheduler.num_unfinished:
+        fake_step(scheduler)
+        scheduler.kv.pool.check_invariants()
+        steps += 1
+        if steps > max_steps:
+            raise AssertionError("scheduler made no progress")
+    return steps
