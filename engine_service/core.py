@@ -1,0 +1,243 @@
+"""EngineCore: the step loop of one engine, schedule -> execute -> update -> outputs."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engine_service.attention import AttentionMetadata
+from engine_service.config import ConfigError, EngineConfig
+from engine_service.kv_cache.manager import KVCacheManager
+from engine_service.model_runner import (
+    ModelRunner,
+    RunnerOutput,
+    allocate_kv_caches,
+    kv_cache_block_bytes,
+    profile_num_gpu_blocks,
+)
+from engine_service.models.config import ModelConfig
+from engine_service.models.loader import load_model
+from engine_service.outputs import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+)
+from engine_service.request import Request
+from engine_service.sampling_params import InvalidRequestError
+from engine_service.scheduler import Scheduler, SchedulerOutput
+from kernels.dispatch import get_ops
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """One engine: model, KV cache, scheduler. Not thread-safe: one thread drives it.
+
+    ``EngineCoreLoop`` (core_loop.py) puts a thread and queues around it for services.
+    """
+
+    def __init__(self, config: EngineConfig, engine_index: int = 0) -> None:
+        if not config.model:
+            raise ConfigError("EngineConfig.model is required: a checkpoint directory")
+        self.config = config
+        self.engine_index = engine_index
+        if config.num_threads is not None and config.torch_device.type == "cpu":
+            torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+
+        start = time.perf_counter()
+        ops = get_ops(config.resolved_attention_backend)
+        self.model, self.model_config = load_model(
+            config.model, config.torch_dtype, config.torch_device, ops
+        )
+        self.max_model_len = self._resolve_max_model_len(self.model_config)
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"max_num_batched_tokens={config.max_num_batched_tokens} is below "
+                f"max_model_len={self.max_model_len}; without chunked prefill a long prompt "
+                "could never be scheduled"
+            )
+        self.num_blocks = self._num_kv_blocks()
+        kv_caches = allocate_kv_caches(
+            self.model_config, self.num_blocks, config.block_size, config.torch_dtype, config.torch_device
+        )
+        self.kv_manager = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            policy=config.scheduling_policy,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        self.runner = ModelRunner(config, self.model, self.model_config, kv_caches, self.kv_manager)
+        self._aborted: list[Request] = []
+        logger.info(
+            "engine %d ready in %.1fs: %s, %d KV blocks of %d tokens, max_model_len %d",
+            engine_index,
+            time.perf_counter() - start,
+            self.model_config.architecture,
+            self.num_blocks,
+            config.block_size,
+            self.max_model_len,
+        )
+
+    # ---- start-up -----------------------------------------------------------------
+
+    def _resolve_max_model_len(self, mc: ModelConfig) -> int:
+        limit = mc.max_position_embeddings
+        wanted = self.config.max_model_len
+        if wanted is None:
+            return limit
+        if wanted > limit:
+            raise ConfigError(
+                f"max_model_len={wanted} exceeds the model's max_position_embeddings={limit} "
+                f"({self.config.model}/config.json)"
+            )
+        return wanted
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        block_bytes = kv_cache_block_bytes(self.model_config, cfg.block_size, cfg.torch_dtype)
+        if cfg.num_gpu_blocks_override is not None:
+            num_blocks = cfg.num_gpu_blocks_override
+            source = "num_gpu_blocks_override"
+        elif cfg.kv_cache_memory_bytes is not None:
+            num_blocks = cfg.kv_cache_memory_bytes // block_bytes
+            source = f"kv_cache_memory_bytes={cfg.kv_cache_memory_bytes}"
+        elif cfg.torch_device.type == "cuda":
+            num_blocks = profile_num_gpu_blocks(cfg, self.model, block_bytes, self._dummy_forward)
+            source = f"gpu_memory_utilization={cfg.gpu_memory_utilization}"
+        else:
+            from engine_service.config import DEFAULT_CPU_KV_CACHE_BYTES
+
+            num_blocks = DEFAULT_CPU_KV_CACHE_BYTES // block_bytes
+            source = f"the default CPU budget of {DEFAULT_CPU_KV_CACHE_BYTES} bytes"
+        needed = -(-self.max_model_len // cfg.block_size)
+        if num_blocks < needed:
+            raise ConfigError(
+                f"the KV cache from {source} holds {num_blocks} blocks "
+                f"({num_blocks * cfg.block_size} tokens, {block_bytes} bytes per block), but one "
+                f"request of max_model_len={self.max_model_len} needs {needed} blocks: raise the "
+                "KV-cache budget or lower max_model_len"
+            )
+        return num_blocks
+
+    def _dummy_forward(self) -> None:
+        """A forward of max_num_batched_tokens tokens on a throwaway one-block cache."""
+        n = min(self.config.max_num_batched_tokens, self.max_model_len)
+        mc, dev = self.model_config, self.config.torch_device
+        caches = allocate_kv_caches(mc, -(-n // self.config.block_size), self.config.block_size, self.config.torch_dtype, dev)
+        attn = AttentionMetadata(
+            slot_mapping=torch.arange(n, device=dev),
+            block_tables=torch.arange(len(caches[0][0]), dtype=torch.int32, device=dev)[None],
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+            max_query_len=n,
+            max_seq_len=n,
+        )
+        with torch.inference_mode():
+            ids = torch.zeros(n, dtype=torch.int64, device=dev)
+            hidden = self.model(ids, torch.arange(n, device=dev), caches, attn)
+            self.model.compute_logits(hidden[-1:])
+        del caches
+
+    # ---- requests --------------------------------------------------------------------
+
+    def validate_request(self, req: EngineCoreRequest) -> None:
+        """Raise InvalidRequestError naming the bad field; safe to call from any thread."""
+        if not req.request_id:
+            raise InvalidRequestError("request_id", req.request_id, "must not be empty")
+        prompt = req.prompt_token_ids
+        if not prompt:
+            raise InvalidRequestError("prompt_token_ids", prompt, "the prompt is empty")
+        if len(prompt) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt_token_ids",
+                f"<{len(prompt)} tokens>",
+                f"prompt of {len(prompt)} tokens leaves no room to generate within "
+                f"max_model_len={self.max_model_len}",
+            )
+        vocab = self.model_config.vocab_size
+        lo, hi = min(prompt), max(prompt)
+        if lo < 0 or hi >= vocab:
+            bad = lo if lo < 0 else hi
+            index = prompt.index(bad)
+            raise InvalidRequestError(
+                f"prompt_token_ids[{index}]", bad, f"token id outside the vocabulary [0, {vocab})"
+            )
+        req.sampling_params.validate(vocab, self.config.max_logprobs)
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        self.validate_request(req)
+        if req.request_id in self.scheduler.requests:
+            raise InvalidRequestError("request_id", req.request_id, "a request with this id is running")
+        self.scheduler.add_request(Request.from_engine_core_request(req))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Abort requests in any state; their blocks are free on return."""
+        self._aborted.extend(self.scheduler.finish_requests(list(request_ids), FinishReason.ABORT))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def reset_prefix_cache(self) -> int:
+        return self.kv_manager.reset_prefix_cache()
+
+    # ---- the step ---------------------------------------------------------------------
+
+    def step(self) -> EngineCoreOutputs:
+        """Schedule, run the model, update request state, and report what happened."""
+        sched = self.scheduler.schedule()
+        result = self.runner.execute(sched) if not sched.is_empty else RunnerOutput()
+        finished = self.scheduler.update_after_step(sched, result.sampled)
+        return self._make_outputs(sched, result, finished)
+
+    def _make_outputs(
+        self, sched: SchedulerOutput, result: RunnerOutput, finished: list[Request]
+    ) -> EngineCoreOutputs:
+        outputs = []
+        for entry in sched.scheduled:
+            request = entry.request
+            rid = request.request_id
+            token = result.sampled.get(rid)
+            if token is None:
+                continue
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=rid,
+                    new_token_ids=[token],
+                    new_logprobs=result.logprobs.get(rid),
+                    new_prompt_logprobs=result.prompt_logprobs.get(rid),
+                    finish_reason=request.finish_reason,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                    trace_headers=request.trace_headers,
+                )
+            )
+        for request in self._aborted:
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    finish_reason=FinishReason.ABORT,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+            )
+        done = {r.request_id for r in finished} | {r.request_id for r in self._aborted}
+        self._aborted = []
+        return EngineCoreOutputs(
+            engine_index=self.engine_index,
+            outputs=outputs,
+            scheduler_stats=self.scheduler.stats(),
+            finished_requests=done or None,
+        )
+
+    def take_abort_outputs(self) -> EngineCoreOutputs | None:
+        """Outputs for aborts made while idle (no step would otherwise report them)."""
+        if not self._aborted:
+            return None
+        return self._make_outputs(SchedulerOutput(), RunnerOutput(), [])

@@ -1,0 +1,163 @@
+"""A busy-loop thread around EngineCore, fed and drained through queues.
+
+I/O threads (gRPC servicers) never touch the core: they put inputs on ``inputs`` and
+read ``EngineCoreOutputs`` from ``outputs``. The loop thread alone drives the core:
+drain inputs -> step -> put outputs, blocking on the input queue while idle.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import queue
+import threading
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from engine_service.core import EngineCore
+from engine_service.outputs import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    UtilityOutput,
+)
+from engine_service.sampling_params import InvalidRequestError
+
+logger = logging.getLogger(__name__)
+
+
+class InputType(enum.Enum):
+    ADD = enum.auto()
+    ABORT = enum.auto()
+    UTILITY = enum.auto()
+    SHUTDOWN = enum.auto()
+
+
+@dataclass
+class UtilityCall:
+    call_id: int
+    method: str
+    args: tuple[Any, ...] = ()
+    client_index: int = 0
+
+
+@dataclass
+class EngineDead:
+    """Put on the output queue once, when the core failed and the loop stopped."""
+
+    message: str
+
+
+# Utility methods a client may call by name, each taking the core and positional args.
+UTILITY_METHODS: dict[str, Callable[..., Any]] = {
+    "reset_prefix_cache": lambda core: core.reset_prefix_cache(),
+    "num_unfinished_requests": lambda core: core.scheduler.num_unfinished,
+    "is_idle": lambda core: not core.has_unfinished_requests(),
+}
+
+
+class EngineCoreLoop:
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self.inputs: queue.Queue[tuple[InputType, Any]] = queue.Queue()
+        self.outputs: queue.Queue[EngineCoreOutputs | EngineDead] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
+        self.dead: EngineDead | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # ---- called from I/O threads ---------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.inputs.put((InputType.ADD, request))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.inputs.put((InputType.ABORT, list(request_ids)))
+
+    def call_utility(self, call: UtilityCall) -> None:
+        self.inputs.put((InputType.UTILITY, call))
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        self.inputs.put((InputType.SHUTDOWN, None))
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self.dead is None
+
+    # ---- the loop thread ----------------------------------------------------------
+
+    def _run(self) -> None:
+        core = self.core
+        try:
+            while True:
+                block = not core.has_unfinished_requests()
+                if not self._drain_inputs(block):
+                    return
+                if core.has_unfinished_requests():
+                    self.outputs.put(core.step())
+                else:
+                    idle = core.take_abort_outputs()
+                    if idle is not None:
+                        self.outputs.put(idle)
+        except Exception as exc:  # the core is broken: report and stop
+            logger.error("engine core failed:\n%s", traceback.format_exc())
+            self.dead = EngineDead(f"engine core failed: {type(exc).__name__}: {exc}")
+            self.outputs.put(self.dead)
+
+    def _drain_inputs(self, block: bool) -> bool:
+        """Apply every queued input; wait for one first if ``block``. False on shutdown."""
+        try:
+            item = self.inputs.get(block=block)
+        except queue.Empty:
+            return True
+        while True:
+            kind, payload = item
+            if kind is InputType.SHUTDOWN:
+                return False
+            self._apply(kind, payload)
+            try:
+                item = self.inputs.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _apply(self, kind: InputType, payload: Any) -> None:
+        core = self.core
+        if kind is InputType.ADD:
+            try:
+                core.add_request(payload)
+            except InvalidRequestError as exc:
+                # Services validate before enqueueing; this is the last line of defence.
+                logger.warning("rejected request %s: %s", payload.request_id, exc)
+                self.outputs.put(
+                    EngineCoreOutputs(
+                        engine_index=core.engine_index,
+                        outputs=[
+                            EngineCoreOutput(
+                                payload.request_id, [], finish_reason=FinishReason.ERROR,
+                                stop_reason=str(exc),
+                            )
+                        ],
+                        finished_requests={payload.request_id},
+                    )
+                )
+        elif kind is InputType.ABORT:
+            core.abort_requests(payload)
+        elif kind is InputType.UTILITY:
+            self.outputs.put(
+                EngineCoreOutputs(engine_index=core.engine_index, utility_output=self._call(payload))
+            )
+
+    def _call(self, call: UtilityCall) -> UtilityOutput:
+        method = UTILITY_METHODS.get(call.method)
+        if method is None:
+            return UtilityOutput(call.call_id, failure_message=f"unknown utility method {call.method!r}")
+        try:
+            return UtilityOutput(call.call_id, result=method(self.core, *call.args))
+        except Exception as exc:
+            return UtilityOutput(call.call_id, failure_message=f"{type(exc).__name__}: {exc}")

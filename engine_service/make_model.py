@@ -1,0 +1,373 @@
+"""Write random-weight Hugging Face checkpoints (with a locally trained tokenizer) for tests,
+demos and benchmarks: ``tandem make-model --arch llama --preset tiny --out DIR``.
+
+The checkpoint is built with transformers itself (config, model class, ``save_pretrained``)
+so that it is exactly what a real checkpoint of that architecture looks like. Weights are
+drawn from a seeded generator with a larger spread than transformers' default so that
+tiny models give diverse greedy outputs. The same arguments always give the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+Arch = Literal["llama", "qwen2", "qwen3"]
+PresetName = Literal["tiny", "demo", "bench-135m"]
+
+ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+# Special tokens take the first ids, in this order.
+PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<|pad|>", "<|bos|>", "<|eos|>"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS: tuple[str, ...] = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, IM_START, IM_END)
+PAD_ID, BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = range(len(SPECIAL_TOKENS))
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+DEMO_PRESET_VERSION = 1  # bump when the demo checkpoint's recipe changes
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Model shape and weight spread of one named preset."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int  # the tokenizer is trained to exactly this size
+    max_position_embeddings: int
+    rope_theta: float
+    weight_std: float  # std of every matrix (embeddings included)
+    qwen3_head_dim: int  # Qwen3 sets head_dim explicitly; tiny presets make it != hidden / heads
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(64, 2, 4, 2, 128, 1024, 2048, 10000.0, 0.15, qwen3_head_dim=32),
+    "demo": Preset(256, 4, 8, 4, 768, 2048, 2048, 10000.0, 0.08, qwen3_head_dim=64),
+    "bench-135m": Preset(576, 30, 9, 3, 1536, 49152, 2048, 100000.0, 0.05, qwen3_head_dim=64),
+}
+
+# Llama 3.1-style rope scaling of the tiny Llama: original context 256, so that several
+# rotary frequencies are actually rescaled.
+TINY_LLAMA3_ROPE: dict[str, Any] = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 256,
+}
+
+
+def _arch_settings(arch: str, preset_name: str, preset: Preset) -> dict[str, Any]:
+    """Config fields that depend on the architecture (and on the preset for tiny ones)."""
+    settings: dict[str, Any] = {}
+    if arch == "llama":
+        settings["rms_norm_eps"] = 1e-5
+        settings["tie_word_embeddings"] = True
+        rope: dict[str, Any] = {"rope_type": "default"}
+        if preset_name == "tiny":
+            rope = dict(TINY_LLAMA3_ROPE)
+        settings["rope_parameters"] = {**rope, "rope_theta": preset.rope_theta}
+        return settings
+    settings["rms_norm_eps"] = 1e-6
+    settings["tie_word_embeddings"] = preset_name == "bench-135m"
+    settings["rope_parameters"] = {"rope_type": "default", "rope_theta": preset.rope_theta}
+    settings["use_sliding_window"] = False
+    if arch == "qwen3":
+        settings["head_dim"] = preset.qwen3_head_dim
+    return settings
+
+
+# ---- tokenizer ---------------------------------------------------------------------------
+
+_CORPUS: tuple[str, ...] = (
+    # English prose
+    "The river bends twice before it reaches the old mill, and in spring the water runs "
+    "fast enough to turn the wheel again. Children from the village come down to watch it.",
+    "A good engine schedules work in small steps: each step takes a few new tokens from "
+    "every running request, runs one forward pass, and hands the results back at once.",
+    "She wrote the numbers on the board: 3, 14, 159, 2653. Nobody in the room said a word "
+    "until the bell rang at a quarter past nine.",
+    "When the weather turns cold, the market sells roasted chestnuts, hot cider, wool hats "
+    "and candles that smell of pine. Prices rise a little every December.",
+    "The library keeps its maps in a long drawer. Some are hand-drawn; others were printed "
+    "in 1887 and still show roads that no longer exist.",
+    "Memory is measured in blocks. A block holds sixteen tokens; when a request grows past "
+    "the end of its last block, the allocator hands it another one from the free list.",
+    "Questions? Answers! Quotes: \"yes\", 'no', (maybe) [perhaps] {never}. Done; next: go.",
+    "Once upon a time there was a small robot who wanted to learn how to paint the sea.",
+    "The quick brown fox jumps over the lazy dog while the five boxing wizards jump quickly.",
+    # Code
+    "def fibonacci(n: int) -> int:\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n",
+    "for (int i = 0; i < n; ++i) {\n    sum += values[i] * weights[i];\n}\nreturn sum / n;\n",
+    "import torch\nx = torch.randn(4, 8)\ny = x @ x.T\nprint(y.shape, y.dtype)\n",
+    "SELECT name, COUNT(*) AS total FROM orders WHERE status = 'done' GROUP BY name;\n",
+    "fn main() {\n    let v: Vec<u32> = (1..10).map(|x| x * x).collect();\n    println!(\"{:?}\", v);\n}\n",
+    "<div class=\"card\"><h1>Hello</h1><p>Welcome back, {{ user.name }}!</p></div>\n",
+    "{\"id\": 42, \"tags\": [\"alpha\", \"beta\"], \"ok\": true, \"ratio\": 0.75}\n",
+    # Other European languages
+    "Le petit déjeuner est servi à huit heures. Où est la gare, s'il vous plaît ?",
+    "Die Straße war nass, aber die Kinder spielten trotzdem draußen im Garten.",
+    "El niño comió una manzana y después jugó al fútbol con sus amigos en la plaza.",
+    "Москва — столица России. Сегодня в городе тепло и солнечно.",
+    "Η θάλασσα ήταν ήρεμη και ο ουρανός γαλάζιος.",
+    # CJK
+    "今天天气很好，我们一起去公园散步吧。机器学习模型需要大量的数据。",
+    "北京是中国的首都，上海是一个国际化的大城市。我喜欢喝茶，也喜欢看书。",
+    "東京は日本の首都です。桜の花がとてもきれいです。ありがとうございます。",
+    "ひらがなとカタカナを勉強しています。コンピューターでプログラムを書きます。",
+    "안녕하세요. 오늘은 날씨가 좋네요. 저는 한국어를 공부하고 있어요.",
+    # Emoji and symbols
+    "Great job! 🎉🎉 Let's celebrate 🥳 with pizza 🍕 and cake 🍰. Love it ❤️ 👍",
+    "Weather: ☀️ then 🌧️ then ⛈️; temperature 21°C → 14°C. Flags: 🇯🇵 🇫🇷 🇧🇷",
+    "Math: ∑ x² ≤ ∞, π ≈ 3.14159, α + β = γ, √2 ≈ 1.414. Arrows: ← ↑ → ↓ ⇒",
+    "Family 👨‍👩‍👧‍👦, hands 👋🏽, cats 🐱🐈, rocket 🚀 to the moon 🌕.",
+)
+
+_SYLLABLES: tuple[str, ...] = tuple(
+    c + v for c in "bcdfghjklmnprstvwz" for v in ("a", "e", "i", "o", "u", "ai", "ou")
+)
+
+
+def _corpus(vocab_size: int) -> list[str]:
+    """The built-in texts, each repeated, plus pseudo-words enough to learn ``vocab_size`` tokens."""
+    rng = random.Random(1234)  # fixed: the tokenizer depends only on the vocabulary size
+    lines = [text for text in _CORPUS for _ in range(3)]
+    num_words = max(0, vocab_size - 600)
+    words = (
+        "".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(2, 4)))
+        for _ in range(num_words)
+    )
+    chunk: list[str] = []
+    for word in words:
+        chunk.append(word)
+        if len(chunk) == 16:
+            lines.append(" ".join(chunk))
+            chunk = []
+    if chunk:
+        lines.append(" ".join(chunk))
+    return lines
+
+
+def train_tokenizer(vocab_size: int, model_max_length: int) -> Any:
+    """A byte-level BPE ``PreTrainedTokenizerFast`` with exactly ``vocab_size`` tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(vocab_size), trainer)
+    if tok.get_vocab_size() != vocab_size:
+        raise RuntimeError(
+            f"tokenizer training reached {tok.get_vocab_size()} tokens, wanted {vocab_size}"
+        )
+    # Plain encodes start with BOS, like Llama; the chat template writes its own BOS.
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS_TOKEN} $A",
+        pair=f"{BOS_TOKEN} $A {BOS_TOKEN} $B",
+        special_tokens=[(BOS_TOKEN, BOS_ID)],
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=model_max_length,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+# ---- model -------------------------------------------------------------------------------
+
+
+def _randomize_weights(model: torch.nn.Module, seed: int, weight_std: float) -> None:
+    """Matrices ~ N(0, weight_std); norm scales ~ 1 + N(0, 0.1); biases ~ N(0, 0.1)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # tied parameters appear once
+            if param.dim() >= 2:
+                values = torch.randn(param.shape, generator=gen) * weight_std
+            elif "norm" in name:
+                values = 1.0 + 0.1 * torch.randn(param.shape, generator=gen)
+            else:
+                values = 0.1 * torch.randn(param.shape, generator=gen)
+            param.copy_(values)
+
+
+def make_model(
+    out_dir: str | os.PathLike[str],
+    arch: Arch = "llama",
+    preset: PresetName = "tiny",
+    seed: int = 0,
+    *,
+    weight_std: float | None = None,
+    tie_word_embeddings: bool | None = None,
+    max_shard_size: int | str | None = None,
+) -> str:
+    """Write a random checkpoint plus tokenizer to ``out_dir`` and return its path.
+
+    ``max_shard_size`` (bytes or e.g. "200KB") splits the weights into several files
+    with a ``model.safetensors.index.json``; by default they go in one file.
+    """
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"arch must be one of {', '.join(ARCHITECTURES)}, got {arch!r}")
+    if preset not in PRESETS:
+        raise ValueError(f"preset must be one of {', '.join(PRESETS)}, got {preset!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    spec = PRESETS[preset]
+    std = spec.weight_std if weight_std is None else weight_std
+    if not std > 0:
+        raise ValueError(f"weight_std must be positive, got {std!r}")
+    settings = _arch_settings(arch, preset, spec)
+    if tie_word_embeddings is not None:
+        settings["tie_word_embeddings"] = tie_word_embeddings
+    config = AutoConfig.for_model(
+        arch,
+        architectures=[ARCHITECTURES[arch]],
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        intermediate_size=spec.intermediate_size,
+        vocab_size=spec.vocab_size,
+        max_position_embeddings=spec.max_position_embeddings,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        initializer_range=std,
+        **settings,
+    )
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    tokenizer = train_tokenizer(spec.vocab_size, spec.max_position_embeddings)
+    tokenizer.save_pretrained(out_dir)
+
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize_weights(model, seed, std)
+    model.generation_config = GenerationConfig(
+        bos_token_id=BOS_ID, eos_token_id=[EOS_ID, IM_END_ID], pad_token_id=PAD_ID
+    )
+    save_kwargs: dict[str, Any] = {}
+    if max_shard_size is not None:
+        save_kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(out_dir, **save_kwargs)
+    return out_dir
+
+
+def default_cache_dir() -> str:
+    """``$TANDEM_CACHE_DIR``, else ``~/.cache/tandem``."""
+    return os.environ.get("TANDEM_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "tandem"
+    )
+
+
+def demo_model_dir(cache_dir: str | None = None) -> str:
+    """Path of the cached demo checkpoint (Llama, "demo" preset), made on first use."""
+    root = cache_dir or default_cache_dir()
+    final = os.path.join(root, f"demo-llama-v{DEMO_PRESET_VERSION}-seed0")
+    if os.path.isfile(os.path.join(final, "model.safetensors")):
+        return final
+    os.makedirs(root, exist_ok=True)
+    # Build beside the final path and rename, so a half-written checkpoint is never seen.
+    staging = tempfile.mkdtemp(prefix=".demo-", dir=root)
+    try:
+        make_model(staging, arch="llama", preset="demo", seed=0)
+        try:
+            os.replace(staging, final)
+        except OSError:
+            if not os.path.isfile(os.path.join(final, "model.safetensors")):
+                raise
+    finally:
+        if os.path.isdir(staging):
+            shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+# ---- CLI ---------------------------------------------------------------------------------
+
+
+def add_cli(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``make-model`` on an ``argparse`` subparsers object; handler in ``func``."""
+    parser = subparsers.add_parser(
+        "make-model",
+        help="Write a random-weight checkpoint and tokenizer (for tests, demos, benchmarks).",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="llama")
+    parser.add_argument("--preset", choices=list(PRESETS), default="tiny")
+    parser.add_argument("--out", required=True, help="Output directory (created if missing).")
+    parser.add_argument("--seed", type=int, default=0, help="Weight seed; same seed, same bytes.")
+    parser.add_argument(
+        "--weight-std", type=float, default=None, help="Std of weight matrices (preset default)."
+    )
+    parser.add_argument(
+        "--tie-word-embeddings",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Override the preset's embedding tying.",
+    )
+    parser.add_argument(
+        "--max-shard-size", default=None, help="Split weights into shards of this size (e.g. 50MB)."
+    )
+    parser.set_defaults(func=run_make_model)
+    return parser
+
+
+def run_make_model(args: argparse.Namespace) -> int:
+    """CLI handler of ``make-model``; returns the exit status."""
+    path = make_model(
+        args.out,
+        arch=args.arch,
+        preset=args.preset,
+        seed=args.seed,
+        weight_std=args.weight_std,
+        tie_word_embeddings=args.tie_word_embeddings,
+        max_shard_size=args.max_shard_size,
+    )
+    print(f"wrote {args.arch} {args.preset} checkpoint to {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m engine_service.make_model --arch ... --out DIR``."""
+    parser = argparse.ArgumentParser(prog="python -m engine_service.make_model")
+    add_cli(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["make-model", *(sys.argv[1:] if argv is None else argv)])
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,219 @@
+"""Turns a SchedulerOutput into one forward pass and the tokens sampled from it."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine_service.attention import AttentionMetadata
+from engine_service.config import ConfigError, EngineConfig
+from engine_service.kv_cache.manager import KVCacheManager
+from engine_service.models.config import ModelConfig
+from engine_service.outputs import Logprobs
+from engine_service.sampler import (
+    LogprobsTensors,
+    Sampler,
+    SamplingMetadata,
+    compute_logprobs_tensors,
+)
+from engine_service.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)  # request id -> sampled token
+    logprobs: dict[str, Logprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, Logprobs] = field(default_factory=dict)  # complete ones only
+
+
+@dataclass
+class BatchInputs:
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    attn: AttentionMetadata
+    sample_rows: list[int]  # row of the last token of each sampling request, in batch order
+    sample_idx: list[int]  # index into SchedulerOutput.scheduled of each sampling request
+
+
+def kv_cache_block_bytes(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers, K and V."""
+    per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim
+    return per_token * block_size * torch.tensor([], dtype=dtype).element_size()
+
+
+def allocate_kv_caches(
+    model_config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # per layer: K and V, each [num_blocks, block_size, num_kv_heads, head_dim]
+    shape = (num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
+    # Zeros, not empty: masked-out slots are still multiplied by 0 in attention.
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(model_config.num_layers)
+    ]
+
+
+class ModelRunner:
+    """Owns the model, its KV cache tensors and the sampler."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: torch.nn.Module,
+        model_config: ModelConfig,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_manager: KVCacheManager,
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.model_config = model_config
+        self.kv_caches = kv_caches
+        self.kv = kv_manager
+        self.device = config.torch_device
+        self.block_size = config.block_size
+        self.sampler = Sampler()
+
+    # ---- inputs --------------------------------------------------------------
+
+    def _prepare(self, sched: SchedulerOutput) -> BatchInputs:
+        bs = self.block_size
+        num_seqs = len(sched.scheduled)
+        token_chunks: list[list[int]] = []
+        position_chunks: list[np.ndarray] = []
+        slot_chunks: list[np.ndarray] = []
+        tables: list[list[int]] = []
+        query_start = np.zeros(num_seqs + 1, dtype=np.int32)
+        seq_lens = np.zeros(num_seqs, dtype=np.int32)
+        sample_rows: list[int] = []
+        sample_idx: list[int] = []
+        for i, entry in enumerate(sched.scheduled):
+            request = entry.request
+            start, n = request.num_computed_tokens, entry.num_new_tokens
+            token_chunks.append(request.all_token_ids[start : start + n])
+            pos = np.arange(start, start + n, dtype=np.int64)
+            block_ids = self.kv.block_ids(request.request_id)
+            table = np.asarray(block_ids, dtype=np.int64)
+            position_chunks.append(pos)
+            slot_chunks.append(table[pos // bs] * bs + pos % bs)
+            tables.append(block_ids)
+            query_start[i + 1] = query_start[i] + n
+            seq_lens[i] = start + n
+            if entry.samples:
+                sample_rows.append(int(query_start[i + 1]) - 1)
+                sample_idx.append(i)
+        max_blocks = max(len(t) for t in tables)
+        block_table = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+        for i, t in enumerate(tables):
+            block_table[i, : len(t)] = t
+        dev = self.device
+        input_ids = torch.tensor(
+            [t for chunk in token_chunks for t in chunk], dtype=torch.int64, device=dev
+        )
+        attn = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slot_chunks)).to(dev),
+            block_tables=torch.from_numpy(block_table).to(dev),
+            query_start_loc=torch.from_numpy(query_start).to(dev),
+            seq_lens=torch.from_numpy(seq_lens).to(dev),
+            max_query_len=int((query_start[1:] - query_start[:-1]).max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+        positions = torch.from_numpy(np.concatenate(position_chunks)).to(dev)
+        return BatchInputs(input_ids, positions, attn, sample_rows, sample_idx)
+
+    # ---- forward + sampling --------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        batch = self._prepare(sched)
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
+        out = RunnerOutput()
+        self._prompt_logprobs(sched, batch, hidden, out)
+        if not batch.sample_rows:
+            return out
+        logits = self.model.compute_logits(hidden[batch.sample_rows])  # [B, vocab] float32
+        requests = [sched.scheduled[i].request for i in batch.sample_idx]
+        metadata = SamplingMetadata.from_requests(
+            [r.sampling_params for r in requests],
+            [r.prompt_token_ids for r in requests],
+            [r.output_token_ids for r in requests],
+            [r.generator for r in requests],
+            [r.eos_token_id for r in requests],
+            self.model_config.vocab_size,
+            logits.device,
+        )
+        result = self.sampler(logits, metadata)
+        tokens = result.sampled_token_ids.tolist()
+        for row, request in enumerate(requests):
+            out.sampled[request.request_id] = tokens[row]
+            num = request.sampling_params.logprobs
+            if num is not None and result.logprobs is not None:
+                out.logprobs[request.request_id] = result.logprobs.to_logprobs([row], num)
+        return out
+
+    def _prompt_logprobs(
+        self, sched: SchedulerOutput, batch: BatchInputs, hidden: torch.Tensor, out: RunnerOutput
+    ) -> None:
+        """Logprobs of each prompt token given its prefix, gathered chunk by chunk.
+
+        The logit at token index j predicts token j + 1, so a chunk [c, c + n) scores
+        prompt tokens c + 1 .. min(c + n, P - 1).
+        """
+        for i, entry in enumerate(sched.scheduled):
+            request = entry.request
+            if not request.prompt_logprobs_pending:
+                continue
+            num = request.sampling_params.prompt_logprobs or 0
+            start, n = request.num_computed_tokens, entry.num_new_tokens
+            end = min(start + n, request.num_prompt_tokens - 1)
+            if end > start:
+                row0 = int(batch.attn.query_start_loc[i])
+                logits = self.model.compute_logits(hidden[row0 : row0 + end - start])
+                targets = torch.tensor(
+                    request.prompt_token_ids[start + 1 : end + 1], device=logits.device
+                )
+                request.prompt_logprobs_chunks.append(
+                    compute_logprobs_tensors(torch.log_softmax(logits, dim=-1), num, targets)
+                )
+            if start + n >= request.num_prompt_tokens:
+                out.prompt_logprobs[request.request_id] = _join_logprobs(
+                    request.prompt_logprobs_chunks, num
+                )
+                request.prompt_logprobs_chunks.clear()
+                request.prompt_logprobs_pending = False
+
+
+def _join_logprobs(chunks: list[LogprobsTensors], num: int) -> Logprobs:
+    joined = Logprobs(token_ids=[], logprobs=[], ranks=[])
+    for chunk in chunks:
+        part = chunk.to_logprobs(None, num)
+        joined.token_ids.extend(part.token_ids)
+        joined.logprobs.extend(part.logprobs)
+        joined.ranks.extend(part.ranks)
+    return joined
+
+
+def profile_num_gpu_blocks(
+    config: EngineConfig, model: torch.nn.Module, block_bytes: int, run_dummy: object
+) -> int:
+    """On CUDA: blocks that fit in gpu_memory_utilization of the device after a peak forward."""
+    device = config.torch_device
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    run_dummy()  # type: ignore[operator]
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    total = torch.cuda.get_device_properties(device).total_memory
+    available = int(total * config.gpu_memory_utilization) - peak
+    if available <= 0:
+        raise ConfigError(
+            f"no memory left for the KV cache: the model's peak use is {peak / 2**30:.2f} GiB of "
+            f"{total * config.gpu_memory_utilization / 2**30:.2f} GiB allowed by "
+            f"gpu_memory_utilization={config.gpu_memory_utilization}"
+        )
+    logger.info("CUDA memory: peak %.2f GiB, %.2f GiB for the KV cache", peak / 2**30, available / 2**30)
+    return available // block_bytes

@@ -1,0 +1,228 @@
+"""One decoder-only transformer covering Llama, Qwen2 and Qwen3 through feature flags.
+
+The model runs a flattened batch (all sequences' new tokens in one ``[num_tokens]``
+row) against a paged KV cache, calling the ``KernelOps`` it was given for normalisation,
+rotary, cache writes and attention. q/k/v and gate/up are fused into one matrix each
+(``qkv_proj``, ``gate_up_proj``); the loader maps the checkpoint's separate tensors in.
+
+Parameters are created uninitialised: ``engine_service.models.loader`` fills every one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine_service.attention import AttentionMetadata
+from engine_service.models.config import ModelConfig
+from engine_service.models.rotary import build_cos_sin_cache
+from kernels.dispatch import KernelOps
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
+
+
+def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class RMSNormWeight(nn.Module):
+    """Holds one RMSNorm scale vector; the norm itself is ``ops.rms_norm``."""
+
+    def __init__(self, size: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = _empty_param(size, dtype=dtype, device=device)  # [size]
+
+
+class FusedLinear(nn.Module):
+    """``y = x @ weight.T + bias`` whose output rows are stacked sub-projections."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        super().__init__()
+        self.weight = _empty_param(out_features, in_features, dtype=dtype, device=device)
+        self.bias = _empty_param(out_features, dtype=dtype, device=device) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention over the paged KV cache."""
+
+    def __init__(self, config: ModelConfig, ops: KernelOps, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.ops = ops
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.q_size
+        self.kv_size = config.kv_size
+        self.eps = config.rms_norm_eps
+        self.scale = config.head_dim**-0.5
+        features = config.features
+        # Output rows: [q (q_size) | k (kv_size) | v (kv_size)].
+        self.qkv_proj = FusedLinear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, features.qkv_bias, dtype, device
+        )
+        self.o_proj = FusedLinear(self.q_size, config.hidden_size, features.o_proj_bias, dtype, device)
+        self.q_norm = RMSNormWeight(self.head_dim, dtype, device) if features.qk_norm else None
+        self.k_norm = RMSNormWeight(self.head_dim, dtype, device) if features.qk_norm else None
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+        cos_sin_cache: torch.Tensor,  # [max_position, head_dim] float32
+        attn_out: torch.Tensor,  # [num_tokens, num_heads, head_dim], scratch shared by layers
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            # Per-head RMSNorm over head_dim; the rows are (token, head) pairs.
+            q, _ = self.ops.rms_norm(q.reshape(-1, self.head_dim), self.q_norm.weight, self.eps)
+            k, _ = self.ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm.weight, self.eps)
+            q = q.view(num_tokens, self.num_heads, self.head_dim)
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        self.ops.rotary_embedding(positions, q, k, cos_sin_cache)  # in place
+        key_cache, value_cache = kv_cache
+        self.ops.reshape_and_cache(k, v, key_cache, value_cache, attn_metadata.slot_mapping)
+        self.ops.paged_attention(
+            q,
+            key_cache,
+            value_cache,
+            attn_metadata.block_tables,
+            attn_metadata.query_start_loc,
+            attn_metadata.seq_lens,
+            self.scale,
+            out=attn_out,
+        )
+        return self.o_proj(attn_out.view(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        bias = config.features.mlp_bias
+        self.intermediate_size = config.intermediate_size
+        # Output rows: [gate (intermediate) | up (intermediate)].
+        self.gate_up_proj = FusedLinear(
+            config.hidden_size, 2 * config.intermediate_size, bias, dtype, device
+        )
+        self.down_proj = FusedLinear(config.intermediate_size, config.hidden_size, bias, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> same
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate).mul_(up))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: ``h += attn(norm(h)); h += mlp(norm(h))``, residual add fused into the norms."""
+
+    def __init__(self, config: ModelConfig, ops: KernelOps, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.ops = ops
+        self.eps = config.rms_norm_eps
+        self.input_layernorm = RMSNormWeight(config.hidden_size, dtype, device)
+        self.self_attn = Attention(config, ops, dtype, device)
+        self.post_attention_layernorm = RMSNormWeight(config.hidden_size, dtype, device)
+        self.mlp = MLP(config, dtype, device)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]: the previous block's output
+        residual: torch.Tensor | None,  # [num_tokens, hidden_size]; None for the first layer
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+        cos_sin_cache: torch.Tensor,
+        attn_out: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Invariant: the residual stream equals hidden + residual (residual None = 0).
+        if residual is None:
+            residual = hidden
+            normed, _ = self.ops.rms_norm(hidden, self.input_layernorm.weight, self.eps)
+        else:
+            normed, residual = self.ops.rms_norm(hidden, self.input_layernorm.weight, self.eps, residual)
+        hidden = self.self_attn(normed, positions, kv_cache, attn_metadata, cos_sin_cache, attn_out)
+        normed, residual = self.ops.rms_norm(
+            hidden, self.post_attention_layernorm.weight, self.eps, residual
+        )
+        return self.mlp(normed), residual
+
+
+class DecoderForCausalLM(nn.Module):
+    """Llama / Qwen2 / Qwen3 causal LM over a paged KV cache."""
+
+    def __init__(self, config: ModelConfig, ops: KernelOps, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.config = config
+        self.ops = ops
+        self.embed_tokens = _empty_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, ops, dtype, device) for _ in range(config.num_layers)
+        )
+        self.norm = RMSNormWeight(config.hidden_size, dtype, device)
+        # Tied checkpoints share the embedding matrix; no separate parameter then.
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else _empty_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        )
+        cos_sin = build_cos_sin_cache(
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+            device=device,
+        )
+        self.register_buffer("cos_sin_cache", cos_sin, persistent=False)  # [max_pos, head_dim] f32
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:  # [vocab_size, hidden_size]
+        return self.embed_tokens if self.lm_head is None else self.lm_head
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens] int64, all sequences' new tokens flattened
+        positions: torch.Tensor,  # [num_tokens] int64
+        kv_caches: list[KVCache],  # one (key, value) pair per layer
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(
+                f"input_ids and positions must both be [num_tokens], got "
+                f"{tuple(input_ids.shape)} and {tuple(positions.shape)}"
+            )
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"expected {len(self.layers)} KV caches (one per layer), got {len(kv_caches)}")
+        num_tokens = input_ids.shape[0]
+        hidden = F.embedding(input_ids, self.embed_tokens)  # [num_tokens, hidden_size]
+        # One attention output buffer reused by every layer (o_proj consumes it at once).
+        attn_out = hidden.new_empty(num_tokens, self.config.num_heads, self.config.head_dim)
+        residual: torch.Tensor | None = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(
+                hidden, residual, positions, kv_cache, attn_metadata, self.cos_sin_cache, attn_out
+            )
+        hidden, _ = self.ops.rms_norm(hidden, self.norm.weight, self.config.rms_norm_eps, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden_size]`` -> ``[n, vocab_size]`` float32 logits."""
+        return F.linear(hidden, self.lm_head_weight).float()

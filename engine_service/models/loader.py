@@ -1,0 +1,176 @@
+"""Build a ``DecoderForCausalLM`` and fill it from a checkpoint's ``*.safetensors`` files.
+
+Every checkpoint tensor maps onto a parameter, or onto a row range of a fused one
+(q/k/v -> ``qkv_proj``, gate/up -> ``gate_up_proj``). The loader checks that each
+target is written exactly once, with the expected shape, and that nothing is left
+unwritten or unused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+
+from engine_service.models.config import ModelConfig, ModelLoadError
+from engine_service.models.decoder import DecoderForCausalLM
+from kernels.dispatch import KernelOps
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+
+# Checkpoint tensors that carry no weights (old checkpoints stored rotary tables).
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+@dataclass(frozen=True)
+class WeightTarget:
+    """Where one checkpoint tensor goes: rows ``[row_start, row_start + shape[0])`` of ``param``."""
+
+    param: str  # name in model.named_parameters()
+    row_start: int  # first row inside the (possibly fused) parameter
+    shape: tuple[int, ...]  # expected checkpoint tensor shape
+
+
+def weight_targets(config: ModelConfig) -> dict[str, WeightTarget]:
+    """The complete map from checkpoint tensor names to model parameter slices."""
+    h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+    f = config.features
+    targets: dict[str, WeightTarget] = {
+        "model.embed_tokens.weight": WeightTarget("embed_tokens", 0, (config.vocab_size, h)),
+        "model.norm.weight": WeightTarget("norm.weight", 0, (h,)),
+    }
+    if not config.tie_word_embeddings:
+        targets["lm_head.weight"] = WeightTarget("lm_head", 0, (config.vocab_size, h))
+    for i in range(config.num_layers):
+        src, dst = f"model.layers.{i}", f"layers.{i}"
+        attn, mlp = f"{src}.self_attn", f"{src}.mlp"
+        targets[f"{src}.input_layernorm.weight"] = WeightTarget(f"{dst}.input_layernorm.weight", 0, (h,))
+        targets[f"{src}.post_attention_layernorm.weight"] = WeightTarget(
+            f"{dst}.post_attention_layernorm.weight", 0, (h,)
+        )
+        for part, start, rows in (("q", 0, q), ("k", q, kv), ("v", q + kv, kv)):
+            targets[f"{attn}.{part}_proj.weight"] = WeightTarget(
+                f"{dst}.self_attn.qkv_proj.weight", start, (rows, h)
+            )
+            if f.qkv_bias:
+                targets[f"{attn}.{part}_proj.bias"] = WeightTarget(
+                    f"{dst}.self_attn.qkv_proj.bias", start, (rows,)
+                )
+        targets[f"{attn}.o_proj.weight"] = WeightTarget(f"{dst}.self_attn.o_proj.weight", 0, (h, q))
+        if f.o_proj_bias:
+            targets[f"{attn}.o_proj.bias"] = WeightTarget(f"{dst}.self_attn.o_proj.bias", 0, (h,))
+        if f.qk_norm:
+            for part in ("q", "k"):
+                targets[f"{attn}.{part}_norm.weight"] = WeightTarget(
+                    f"{dst}.self_attn.{part}_norm.weight", 0, (config.head_dim,)
+                )
+        for part, start in (("gate", 0), ("up", inter)):
+            targets[f"{mlp}.{part}_proj.weight"] = WeightTarget(
+                f"{dst}.mlp.gate_up_proj.weight", start, (inter, h)
+            )
+            if f.mlp_bias:
+                targets[f"{mlp}.{part}_proj.bias"] = WeightTarget(
+                    f"{dst}.mlp.gate_up_proj.bias", start, (inter,)
+                )
+        targets[f"{mlp}.down_proj.weight"] = WeightTarget(f"{dst}.mlp.down_proj.weight", 0, (h, inter))
+        if f.mlp_bias:
+            targets[f"{mlp}.down_proj.bias"] = WeightTarget(f"{dst}.mlp.down_proj.bias", 0, (h,))
+    return targets
+
+
+def checkpoint_files(model_dir: str) -> list[str]:
+    """The safetensors files of ``model_dir``: the index's shards, or the single file."""
+    index_path = os.path.join(model_dir, SAFETENSORS_INDEX)
+    if os.path.isfile(index_path):
+        try:
+            with open(index_path, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"{index_path}: not a valid safetensors index ({e!r})") from e
+        files = [os.path.join(model_dir, name) for name in dict.fromkeys(weight_map.values())]
+    else:
+        files = [os.path.join(model_dir, SAFETENSORS_SINGLE)]
+        if not os.path.isfile(files[0]):
+            found = sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors"))
+            if not found:
+                raise ModelLoadError(
+                    f"no weights in {model_dir!r}: expected {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX}"
+                )
+            files = [os.path.join(model_dir, n) for n in found]
+    for path in files:
+        if not os.path.isfile(path):
+            raise ModelLoadError(f"missing weight file {path!r}")
+    return files
+
+
+class WeightLoader:
+    """Copies checkpoint tensors into a model's parameters, tracking what was written."""
+
+    def __init__(self, model: DecoderForCausalLM, config: ModelConfig) -> None:
+        self._params = dict(model.named_parameters())
+        self._targets = weight_targets(config)
+        self._loaded_from: dict[str, str] = {}  # checkpoint tensor name -> file it came from
+        # Some tied checkpoints also store a copy of the embedding as lm_head.weight.
+        self._skip_lm_head = config.tie_word_embeddings
+        for name, target in self._targets.items():
+            param = self._params.get(target.param)
+            if param is None or target.row_start + target.shape[0] > param.shape[0]:
+                raise RuntimeError(f"internal: no room for {name} in parameter {target.param}")
+
+    def load_file(self, path: str) -> None:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if _IGNORED.match(name) or (self._skip_lm_head and name == "lm_head.weight"):
+                    continue
+                target = self._targets.get(name)
+                if target is None:
+                    raise ModelLoadError(f"{path}: unexpected tensor {name!r} (no parameter takes it)")
+                if name in self._loaded_from:
+                    raise ModelLoadError(
+                        f"{path}: tensor {name!r} was already loaded from {self._loaded_from[name]}"
+                    )
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != target.shape:
+                    raise ModelLoadError(
+                        f"{path}: tensor {name!r} has shape {list(shape)}, expected {list(target.shape)}"
+                    )
+                param = self._params[target.param]
+                rows = param.data[target.row_start : target.row_start + target.shape[0]]
+                rows.copy_(f.get_tensor(name))  # casts to the parameter's dtype and device
+                self._loaded_from[name] = path
+
+    def check_complete(self, model_dir: str) -> None:
+        missing = [n for n in self._targets if n not in self._loaded_from]
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ModelLoadError(f"{model_dir}: checkpoint lacks tensors {shown}")
+
+
+def load_model(
+    model_dir: str,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    ops: KernelOps | None = None,
+) -> tuple[DecoderForCausalLM, ModelConfig]:
+    """Build the model for ``model_dir`` in ``dtype`` on ``device``, weights loaded, eval mode."""
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+    if ops is None:
+        from kernels.dispatch import get_ops
+
+        ops = get_ops("torch")
+    device = torch.device(device)
+    config = ModelConfig.from_pretrained(model_dir)
+    files = checkpoint_files(model_dir)
+    model = DecoderForCausalLM(config, ops, dtype, device)
+    loader = WeightLoader(model, config)
+    with torch.no_grad():
+        for path in files:
+            loader.load_file(path)
+    loader.check_complete(model_dir)
+    return model.eval(), config

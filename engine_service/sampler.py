@@ -1,0 +1,572 @@
+"""The batched sampler: one pass over a step's logits turns them into token ids.
+
+Order of work (as vLLM v1):
+1. logprobs from the raw logits (before any processing; vLLM's "raw_logprobs");
+2. allowed_token_ids mask, logit_bias, min_tokens mask, then penalties
+   (repetition, frequency, presence): these change what greedy rows pick too;
+3. greedy rows take the argmax;
+4. random rows (as one sub-batch): temperature, min-p, top-k, then top-p on what is
+   left, then the exponential race (argmax of probs / q with q ~ Exp(1)). Seeded rows
+   draw q from their own generator, so a seeded request gets the same tokens whatever
+   batch it runs in; greedy rows draw nothing.
+
+Every step is skipped when no row of the batch needs it: the common batch (plain
+temperature sampling, no penalties) costs a softmax, one [R, V] uniform draw, a log and
+an argmax. On CPU the uniform draw dominates (about 6 ns per element).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine_service.outputs import Logprobs
+from engine_service.sampling_params import SamplingParams
+
+_SAMPLING_EPS = 1e-5  # temperature below this is greedy (as SamplingParams.greedy)
+_NEG_INF = float("-inf")
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-step sampling inputs for B rows (one row per request being sampled this step).
+
+    Invariants: every tensor is [B] on the logits' device; optional tensors are None when
+    no row uses the feature; ``generators`` holds only rows sampled randomly.
+    """
+
+    temperature: torch.Tensor  # [B] float32; 0 = greedy row
+    all_greedy: bool
+    all_random: bool
+    top_p: torch.Tensor | None  # [B] float32 in (0, 1]; 1 = disabled
+    top_k: torch.Tensor | None  # [B] int64 in [1, V]; V = disabled
+    min_p: torch.Tensor | None  # [B] float32 in [0, 1]; 0 = disabled
+    generators: dict[int, torch.Generator]  # row -> the request's seeded CPU generator
+    max_num_logprobs: int | None  # largest `logprobs` asked in the batch; None: none asked
+    presence_penalties: torch.Tensor | None  # [B] float32; 0 = disabled
+    frequency_penalties: torch.Tensor | None  # [B] float32; 0 = disabled
+    repetition_penalties: torch.Tensor | None  # [B] float32; 1 = disabled
+    prompt_token_ids: list[list[int]]  # per row (repetition penalty)
+    output_token_ids: list[list[int]]  # per row, generated so far (all penalties)
+    logit_bias: list[dict[int, float] | None]  # per row
+    allowed_token_ids: list[list[int] | None]  # per row
+    min_tokens_block: list[set[int] | None]  # per row: ids masked while output < min_tokens
+
+    def __post_init__(self) -> None:
+        if self.temperature.dim() != 1:
+            raise ValueError(
+                f"temperature must be 1-D [B], got shape {tuple(self.temperature.shape)}"
+            )
+        num_rows = self.temperature.shape[0]
+        for name in (
+            "prompt_token_ids",
+            "output_token_ids",
+            "logit_bias",
+            "allowed_token_ids",
+            "min_tokens_block",
+        ):
+            if len(getattr(self, name)) != num_rows:
+                raise ValueError(f"{name} has {len(getattr(self, name))} rows, expected {num_rows}")
+        for row in self.generators:
+            if not 0 <= row < num_rows:
+                raise ValueError(f"generator for row {row} outside the batch of {num_rows}")
+        if self.max_num_logprobs is not None and self.max_num_logprobs < 0:
+            raise ValueError(f"max_num_logprobs must be >= 0, got {self.max_num_logprobs}")
+
+    @property
+    def num_rows(self) -> int:
+        return self.temperature.shape[0]
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.presence_penalties is not None
+            or self.frequency_penalties is not None
+            or self.repetition_penalties is not None
+        )
+
+    @classmethod
+    def from_requests(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        generators: list[torch.Generator | None],
+        eos_token_ids: list[int | None],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> SamplingMetadata:
+        """Build one step's metadata; row i is request i of every list.
+
+        A row with top_k = 1 is made greedy: same token, no random draw.
+        """
+        num_rows = len(params)
+        for name, values in (
+            ("prompt_token_ids", prompt_token_ids),
+            ("output_token_ids", output_token_ids),
+            ("generators", generators),
+            ("eos_token_ids", eos_token_ids),
+        ):
+            if len(values) != num_rows:
+                raise ValueError(f"{name} has {len(values)} rows, expected {num_rows}")
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+
+        temperature: list[float] = []
+        top_p: list[float] = []
+        top_k: list[int] = []
+        min_p: list[float] = []
+        seeded: dict[int, torch.Generator] = {}
+        min_tokens_block: list[set[int] | None] = []
+        for row, p in enumerate(params):
+            k = p.top_k if p.top_k_enabled and p.top_k is not None else vocab_size
+            k = min(k, vocab_size)
+            greedy = p.greedy or k == 1
+            temperature.append(0.0 if greedy else p.temperature)
+            # Greedy rows never reach the random path: keep their knobs neutral.
+            top_p.append(1.0 if greedy else p.top_p)
+            top_k.append(vocab_size if greedy else k)
+            min_p.append(0.0 if greedy else p.min_p)
+            generator = generators[row]
+            if generator is not None and not greedy:
+                seeded[row] = generator
+            min_tokens_block.append(
+                _min_tokens_block(p, len(output_token_ids[row]), eos_token_ids[row])
+            )
+
+        def tensor_if(
+            values: list[float] | list[int], neutral: float, dtype: torch.dtype
+        ) -> torch.Tensor | None:
+            if all(v == neutral for v in values):
+                return None
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        num_greedy = sum(t == 0.0 for t in temperature)
+        max_logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
+            all_greedy=num_greedy == num_rows,
+            all_random=num_greedy == 0,
+            top_p=tensor_if(top_p, 1.0, torch.float32),
+            top_k=tensor_if(top_k, vocab_size, torch.int64),
+            min_p=tensor_if(min_p, 0.0, torch.float32),
+            generators=seeded,
+            max_num_logprobs=max(max_logprobs) if max_logprobs else None,
+            presence_penalties=tensor_if([p.presence_penalty for p in params], 0.0, torch.float32),
+            frequency_penalties=tensor_if(
+                [p.frequency_penalty for p in params], 0.0, torch.float32
+            ),
+            repetition_penalties=tensor_if(
+                [p.repetition_penalty for p in params], 1.0, torch.float32
+            ),
+            prompt_token_ids=prompt_token_ids,
+            output_token_ids=output_token_ids,
+            logit_bias=[p.logit_bias or None for p in params],
+            allowed_token_ids=[p.allowed_token_ids for p in params],
+            min_tokens_block=min_tokens_block,
+        )
+
+
+def _min_tokens_block(
+    p: SamplingParams, num_output: int, eos_token_id: int | None
+) -> set[int] | None:
+    """Token ids to mask while the request has fewer than min_tokens outputs (None: none)."""
+    if num_output >= p.min_tokens:
+        return None
+    block = set(p.stop_token_ids)
+    if eos_token_id is not None and not p.ignore_eos:
+        block.add(eos_token_id)
+    return block or None
+
+
+@dataclass
+class LogprobsTensors:
+    """Logprobs of N positions: the chosen token first, then the top-k tokens."""
+
+    token_ids: torch.Tensor  # [N, k + 1] int64: column 0 is the chosen token, then top-k
+    logprobs: torch.Tensor  # [N, k + 1] float32
+    ranks: torch.Tensor  # [N] int64: rank of the chosen token (1 = argmax)
+
+    def to_logprobs(
+        self, rows: slice | Sequence[int] | None = None, num_logprobs: int | None = None
+    ) -> Logprobs:
+        """Python lists for outputs: the given rows, with the first ``num_logprobs`` top entries."""
+        token_ids, logprobs, ranks = self.token_ids, self.logprobs, self.ranks
+        if rows is not None:
+            index = (
+                rows if isinstance(rows, slice) else torch.as_tensor(list(rows), dtype=torch.long)
+            )
+            token_ids, logprobs, ranks = token_ids[index], logprobs[index], ranks[index]
+        if num_logprobs is not None:
+            if not 0 <= num_logprobs <= self.token_ids.shape[1] - 1:
+                raise ValueError(
+                    f"num_logprobs={num_logprobs} outside [0, {self.token_ids.shape[1] - 1}]"
+                )
+            token_ids = token_ids[:, : num_logprobs + 1]
+            logprobs = logprobs[:, : num_logprobs + 1]
+        return Logprobs(
+            token_ids=token_ids.tolist(), logprobs=logprobs.tolist(), ranks=ranks.tolist()
+        )
+
+
+def compute_logprobs_tensors(
+    logprobs: torch.Tensor,  # [N, V] float32, log_softmax already applied
+    num_logprobs: int,
+    token_ids: torch.Tensor,  # [N] int64: the chosen token of each row
+) -> LogprobsTensors:
+    """Gather the chosen token's logprob and rank, and the top ``num_logprobs`` tokens."""
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [N, V], got shape {tuple(logprobs.shape)}")
+    num_rows, vocab_size = logprobs.shape
+    if token_ids.shape != (num_rows,):
+        raise ValueError(f"token_ids must be [{num_rows}], got shape {tuple(token_ids.shape)}")
+    if not 0 <= num_logprobs <= vocab_size:
+        raise ValueError(f"num_logprobs={num_logprobs} outside [0, {vocab_size}]")
+    chosen = token_ids.long().unsqueeze(1)  # [N, 1]
+    chosen_logprobs = logprobs.gather(1, chosen)  # [N, 1]
+    top_logprobs, top_ids = logprobs.topk(num_logprobs, dim=-1)  # [N, k]
+    # Rank 1 is the most likely token; ties rank the chosen token first.
+    ranks = (logprobs > chosen_logprobs).sum(dim=-1) + 1  # [N]
+    return LogprobsTensors(
+        token_ids=torch.cat([chosen, top_ids], dim=1),
+        logprobs=torch.cat([chosen_logprobs, top_logprobs], dim=1).float(),
+        ranks=ranks.long(),
+    )
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    logprobs: LogprobsTensors | None  # sampled token + top-N (N = max_num_logprobs)
+
+
+# ---------------------------------------------------------------------------------------
+# Logits processors that also change greedy picks. All work in place on [B, V] logits the
+# caller owns, and touch only the rows that use them.
+
+
+def apply_allowed_token_ids_(
+    logits: torch.Tensor, allowed_token_ids: list[list[int] | None]
+) -> None:
+    """Set every token outside a row's allowed list to -inf."""
+    rows = [r for r, ids in enumerate(allowed_token_ids) if ids is not None]
+    if not rows:
+        return
+    row_index, token_index = _flatten_ids([allowed_token_ids[r] or [] for r in rows], logits)
+    blocked = torch.ones(len(rows), logits.shape[1], dtype=torch.bool, device=logits.device)
+    blocked[row_index, token_index] = False  # [R, V]
+    rows_t = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    logits[rows_t] = logits[rows_t].masked_fill(blocked, _NEG_INF)
+
+
+def apply_logit_bias_(logits: torch.Tensor, logit_bias: list[dict[int, float] | None]) -> None:
+    """Add each row's bias to its listed tokens."""
+    rows: list[int] = []
+    tokens: list[int] = []
+    biases: list[float] = []
+    for row, bias in enumerate(logit_bias):
+        if bias:
+            rows.extend([row] * len(bias))
+            tokens.extend(bias.keys())
+            biases.extend(bias.values())
+    if not rows:
+        return
+    index = _index_pair(rows, tokens, logits)
+    logits.index_put_(
+        index, torch.tensor(biases, dtype=logits.dtype, device=logits.device), accumulate=True
+    )
+
+
+def apply_min_tokens_(logits: torch.Tensor, min_tokens_block: list[set[int] | None]) -> None:
+    """Set each row's blocked tokens (EOS, stop tokens) to -inf."""
+    rows: list[int] = []
+    tokens: list[int] = []
+    for row, block in enumerate(min_tokens_block):
+        if block:
+            rows.extend([row] * len(block))
+            tokens.extend(block)
+    if not rows:
+        return
+    logits[_index_pair(rows, tokens, logits)] = _NEG_INF
+
+
+def apply_penalties_(
+    logits: torch.Tensor,  # [B, V]
+    presence_penalties: torch.Tensor | None,  # [B]
+    frequency_penalties: torch.Tensor | None,  # [B]
+    repetition_penalties: torch.Tensor | None,  # [B]
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+) -> None:
+    """vLLM's penalties, on the rows that use any of them.
+
+    repetition: tokens seen in prompt or output have positive logits divided and
+    negative logits multiplied by the penalty; frequency: subtract penalty * count in
+    output; presence: subtract penalty once if the token is in the output.
+    """
+    num_rows, vocab_size = logits.shape
+    device = logits.device
+    presence = _or_neutral(presence_penalties, num_rows, 0.0, device)
+    frequency = _or_neutral(frequency_penalties, num_rows, 0.0, device)
+    repetition = _or_neutral(repetition_penalties, num_rows, 1.0, device)
+    active = (presence != 0) | (frequency != 0) | (repetition != 1)  # [B]
+    rows = active.nonzero().flatten()  # [R]
+    if rows.numel() == 0:
+        return
+    row_list = rows.tolist()
+    sub = logits[rows]  # [R, V] copy
+    row_index, token_index = _flatten_ids([output_token_ids[r] for r in row_list], logits)
+    counts = torch.zeros(len(row_list), vocab_size, dtype=sub.dtype, device=device)  # [R, V]
+    counts.index_put_(
+        (row_index, token_index), torch.ones_like(token_index, dtype=sub.dtype), accumulate=True
+    )
+    in_output = counts > 0  # [R, V]
+    rep = repetition[rows]  # [R]
+    if bool((rep != 1).any()):
+        seen = in_output.clone()
+        p_rows, p_tokens = _flatten_ids([prompt_token_ids[r] for r in row_list], logits)
+        seen[p_rows, p_tokens] = True
+        scale = torch.where(sub > 0, 1.0 / rep[:, None], rep[:, None])  # [R, V]
+        sub = torch.where(seen, sub * scale, sub)
+    sub -= frequency[rows][:, None] * counts
+    sub -= presence[rows][:, None] * in_output.to(sub.dtype)
+    logits[rows] = sub
+
+
+def _or_neutral(
+    values: torch.Tensor | None, num_rows: int, neutral: float, device: torch.device
+) -> torch.Tensor:
+    if values is None:
+        return torch.full((num_rows,), neutral, dtype=torch.float32, device=device)
+    return values
+
+
+def _flatten_ids(
+    per_row: list[list[int]], logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(local row index, token id) pairs of ragged per-row token lists; ids checked in vocab."""
+    rows = [r for r, ids in enumerate(per_row) for _ in ids]
+    tokens = [t for ids in per_row for t in ids]
+    return _index_pair(rows, tokens, logits)
+
+
+def _index_pair(
+    rows: list[int], tokens: list[int], logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    device = logits.device
+    token_t = torch.tensor(tokens, dtype=torch.long, device=device)
+    if token_t.numel() and (int(token_t.min()) < 0 or int(token_t.max()) >= logits.shape[1]):
+        raise ValueError(f"token id outside the vocabulary [0, {logits.shape[1]})")
+    return torch.tensor(rows, dtype=torch.long, device=device), token_t
+
+
+# ---------------------------------------------------------------------------------------
+# Truncation of the random rows' distribution. Each returns logits with dropped tokens
+# at -inf; rows whose knob is neutral are left unchanged.
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Keep tokens with prob >= min_p * (max prob of the row).  logits [B, V], min_p [B]."""
+    probs = logits.softmax(dim=-1)  # [B, V]
+    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)  # [B, 1]
+    return logits.masked_fill(probs < threshold, _NEG_INF)
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep exactly the k highest logits of each row (k = V keeps all).  top_k [B] int64."""
+    vocab_size = logits.shape[1]
+    enabled = top_k < vocab_size  # [B]
+    if not bool(enabled.any()):
+        return logits
+    max_k = int(top_k[enabled].max())
+    top_index = logits.topk(max_k, dim=-1).indices  # [B, max_k], best first
+    in_k = torch.arange(max_k, device=logits.device)[None, :] < top_k[:, None]  # [B, max_k]
+    keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, top_index, in_k)  # [B, V]
+    keep |= ~enabled[:, None]
+    return logits.masked_fill(~keep, _NEG_INF)
+
+
+_TOP_P_CANDIDATES = 256  # top-p looks at this many best tokens before sorting a whole row
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor,  # [B, V]
+    top_k: torch.Tensor | None,  # [B] int64, V = disabled
+    top_p: torch.Tensor | None,  # [B] float32, 1 = disabled
+    num_candidates: int = _TOP_P_CANDIDATES,
+) -> torch.Tensor:
+    """Top-k, then top-p on the renormalised top-k distribution.
+
+    Top-p keeps the smallest set of most likely tokens whose mass reaches p. It first
+    looks only at the ``num_candidates`` best tokens of each row (a partial top-k, far
+    cheaper than a sort); only rows whose candidates hold less than p of the mass
+    fall back to sorting their whole row.
+    """
+    if top_p is None:
+        return logits if top_k is None else apply_top_k(logits, top_k)
+    num_rows, vocab_size = logits.shape
+    device = logits.device
+    if top_k is None:
+        top_k = torch.full((num_rows,), vocab_size, dtype=torch.long, device=device)
+    k_enabled = top_k < vocab_size  # [B]
+    num_candidates = max(num_candidates, int(top_k[k_enabled].max()) if k_enabled.any() else 1)
+    if 2 * num_candidates >= vocab_size:
+        return _top_k_top_p_sorted(logits, top_k, top_p)
+
+    values, index = logits.topk(num_candidates, dim=-1)  # [B, C], best first
+    position = torch.arange(num_candidates, device=device)[None, :]  # [1, C]
+    values = values.masked_fill(position >= top_k[:, None], _NEG_INF)
+    # Log of each row's normaliser: its k kept candidates, or the whole row without top-k.
+    log_total = torch.where(k_enabled, values.logsumexp(dim=-1), logits.logsumexp(dim=-1))
+    probs = (values - log_total[:, None]).exp()  # [B, C]: probabilities after top-k
+    mass_before = probs.cumsum(dim=-1) - probs  # [B, C]: mass of the more likely tokens
+    p = top_p[:, None]  # [B, 1]
+    values = values.masked_fill((mass_before >= p) & (p < 1.0) & (position > 0), _NEG_INF)
+
+    keep_all = ~k_enabled & (top_p >= 1.0)  # [B]: neither knob set on this row
+    # Without top-k, candidates holding less than p leave the cut beyond them.
+    too_few = ~k_enabled & ~keep_all & (mass_before[:, -1] + probs[:, -1] < top_p)  # [B]
+    keep = torch.zeros_like(logits, dtype=torch.bool)  # [B, V]
+    keep.scatter_(1, index, torch.isfinite(values))
+    keep |= keep_all[:, None]
+    out = logits.masked_fill(~keep, _NEG_INF)
+    if bool(too_few.any()):
+        rows = too_few.nonzero().flatten()  # [R]
+        out[rows] = _top_k_top_p_sorted(logits[rows], top_k[rows], top_p[rows])
+    return out
+
+
+def _top_k_top_p_sorted(
+    logits: torch.Tensor,  # [B, V]
+    top_k: torch.Tensor,  # [B] int64, V = disabled
+    top_p: torch.Tensor,  # [B] float32, 1 = disabled
+) -> torch.Tensor:
+    """Top-k then top-p by sorting each whole row."""
+    vocab_size = logits.shape[1]
+    sorted_logits, sorted_index = logits.sort(dim=-1, descending=True)  # [B, V]
+    position = torch.arange(vocab_size, device=logits.device)[None, :]  # [1, V]
+    sorted_logits = sorted_logits.masked_fill(position >= top_k[:, None], _NEG_INF)
+    probs = sorted_logits.softmax(dim=-1)  # [B, V], descending
+    mass_before = probs.cumsum(dim=-1) - probs  # [B, V]: mass of the more likely tokens
+    p = top_p[:, None]  # [B, 1]
+    sorted_logits = sorted_logits.masked_fill(
+        (mass_before >= p) & (p < 1.0) & (position > 0), _NEG_INF
+    )
+    return torch.empty_like(logits).scatter_(1, sorted_index, sorted_logits)
+
+
+def exponential_race(
+    probs: torch.Tensor,  # [B, V], each row proportional to its probabilities
+    generators: dict[int, torch.Generator],
+) -> torch.Tensor:  # [B] int64
+    """Sample one token per row: argmax(probs / q) with q ~ Exp(1) i.i.d.
+
+    q = -log(u) with u ~ U(0, 1). Seeded rows draw their [V] u from their own
+    generator (one row's draw per step, whatever the batch); the rest from the
+    default generator of probs' device.
+    """
+    num_rows, vocab_size = probs.shape
+    u = torch.empty_like(probs)  # [B, V]
+    if len(generators) < num_rows:
+        u.uniform_()
+    for row, generator in generators.items():
+        draw = torch.rand(vocab_size, generator=generator, device=generator.device)
+        u[row] = draw.to(device=probs.device, dtype=probs.dtype)
+    # u = 0 would make q infinite and could zero a whole row: keep q finite and > 0.
+    q = u.clamp_(min=torch.finfo(u.dtype).tiny).log_().neg_()  # [B, V] ~ Exp(1)
+    return torch.div(probs, q, out=q).argmax(dim=-1)
+
+
+class Sampler:
+    """Turns a step's logits into one token per row (plus logprobs when asked)."""
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """logits: [B, V] float32, row i is request i of ``metadata``."""
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
+        if logits.shape[0] != metadata.num_rows:
+            raise ValueError(f"logits has {logits.shape[0]} rows, metadata has {metadata.num_rows}")
+        logits = logits.float()
+        raw_logprobs = None
+        if metadata.max_num_logprobs is not None:
+            raw_logprobs = logits.log_softmax(dim=-1)  # [B, V]
+        if logits.shape[0] == 0:
+            sampled = torch.empty(0, dtype=torch.long, device=logits.device)
+        else:
+            logits = self._process(logits, metadata)
+            sampled = self._sample(logits, metadata)
+        logprobs = None
+        if raw_logprobs is not None and metadata.max_num_logprobs is not None:
+            logprobs = compute_logprobs_tensors(raw_logprobs, metadata.max_num_logprobs, sampled)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    @staticmethod
+    def _process(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """Masks, bias and penalties; copies the logits only when one applies."""
+        has_allowed = any(ids is not None for ids in md.allowed_token_ids)
+        has_bias = any(md.logit_bias)
+        has_block = any(md.min_tokens_block)
+        if not (has_allowed or has_bias or has_block or md.needs_penalties):
+            return logits
+        logits = logits.clone()  # [B, V], ours to edit
+        if has_allowed:
+            apply_allowed_token_ids_(logits, md.allowed_token_ids)
+        if has_bias:
+            apply_logit_bias_(logits, md.logit_bias)
+        if has_block:
+            apply_min_tokens_(logits, md.min_tokens_block)
+        if md.needs_penalties:
+            apply_penalties_(
+                logits,
+                md.presence_penalties,
+                md.frequency_penalties,
+                md.repetition_penalties,
+                md.prompt_token_ids,
+                md.output_token_ids,
+            )
+        return logits
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """Greedy rows: argmax; random rows: sampled on their own [R, V] sub-batch."""
+        if md.all_greedy:
+            return logits.argmax(dim=-1)  # [B]
+        if md.all_random:
+            return _sample_random(
+                logits, md.temperature, md.min_p, md.top_k, md.top_p, md.generators
+            )
+        sampled = logits.argmax(dim=-1)  # [B]
+        rows = (md.temperature >= _SAMPLING_EPS).nonzero().flatten()  # [R]
+        position = {row: i for i, row in enumerate(rows.tolist())}
+        # Generators of greedy rows are neither used nor advanced.
+        generators = {position[r]: g for r, g in md.generators.items() if r in position}
+
+        def pick(values: torch.Tensor | None) -> torch.Tensor | None:
+            return None if values is None else values[rows]
+
+        sampled[rows] = _sample_random(
+            logits[rows],
+            md.temperature[rows],
+            pick(md.min_p),
+            pick(md.top_k),
+            pick(md.top_p),
+            generators,
+        )
+        return sampled
+
+
+def _sample_random(
+    logits: torch.Tensor,  # [R, V]
+    temperature: torch.Tensor,  # [R], all > 0
+    min_p: torch.Tensor | None,  # [R]
+    top_k: torch.Tensor | None,  # [R]
+    top_p: torch.Tensor | None,  # [R]
+    generators: dict[int, torch.Generator],  # keyed by row of this sub-batch
+) -> torch.Tensor:  # [R] int64
+    scaled = logits / temperature[:, None]  # [R, V]
+    if min_p is not None:
+        scaled = apply_min_p(scaled, min_p)
+    scaled = apply_top_k_top_p(scaled, top_k, top_p)
+    return exponential_race(scaled.softmax(dim=-1), generators)

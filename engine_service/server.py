@@ -1,0 +1,350 @@
+"""The engine service: one EngineCore behind gRPC (``tandem engine``).
+
+Threads: the core's busy loop (``EngineCoreLoop``) steps on its own thread; a pump
+thread turns each step's ``EngineCoreOutputs`` into one protobuf message per connected
+frontend; the asyncio event loop only moves messages between streams and queues.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import itertools
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine_service import convert
+from engine_service.config import EngineConfig
+from engine_service.core import EngineCore
+from engine_service.core_loop import EngineCoreLoop, EngineDead, UtilityCall
+from engine_service.outputs import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from engine_service.sampling_params import InvalidRequestError, SamplingParams
+from tandem.v1 import engine_pb2, engine_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineCore"].full_name
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def tokenizer_fingerprint(model_dir: str) -> str:
+    """sha256 over the tokenizer files: frontend and engine must agree on it."""
+    h = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        path = Path(model_dir) / name
+        if path.exists():
+            h.update(name.encode() + b"\x00" + path.read_bytes())
+    return h.hexdigest()
+
+
+@dataclass
+class EngineServerConfig:
+    """Network settings of the engine service (engine settings live in EngineConfig)."""
+
+    host: str = "0.0.0.0"
+    port: int = 50061
+    engine_index: int = 0
+    grace_seconds: float = 2.0  # time streams get to close on shutdown
+
+
+@dataclass
+class _Client:
+    """One connected frontend stream."""
+
+    client_id: int
+    outbox: asyncio.Queue[engine_pb2.EngineCoreOutputs | None] = field(
+        default_factory=asyncio.Queue
+    )
+    request_ids: set[str] = field(default_factory=set)
+
+
+class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
+    def __init__(self, core: EngineCore, loop: EngineCoreLoop, model_dir: str) -> None:
+        self.core = core
+        self.engine_loop = loop
+        self.model_dir = model_dir
+        self.fingerprint = tokenizer_fingerprint(model_dir)
+        self.clients: dict[int, _Client] = {}
+        self.owner: dict[str, int] = {}  # request id -> client id
+        # internal call id -> a local waiter, or (client id, the client's own call id)
+        self.pending_utility: dict[int, asyncio.Future[object] | tuple[int, int]] = {}
+        self._client_ids = itertools.count()
+        self._call_ids = itertools.count(1)
+        self.aio_loop: asyncio.AbstractEventLoop | None = None
+        self.dead: EngineDead | None = None
+        self.died = asyncio.Event()
+
+    # ---- the output pump (its own thread) -------------------------------------
+
+    def start_pump(self, aio_loop: asyncio.AbstractEventLoop) -> None:
+        self.aio_loop = aio_loop
+        threading.Thread(target=self._pump, name="engine-output-pump", daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.aio_loop is not None
+        while True:
+            item = self.engine_loop.outputs.get()
+            if isinstance(item, EngineDead):
+                self.aio_loop.call_soon_threadsafe(self._on_dead, item)
+                return
+            self.aio_loop.call_soon_threadsafe(self._dispatch, item)
+
+    def _dispatch(self, outs: EngineCoreOutputs) -> None:
+        """Split one step's outputs by owning client; every client gets the stats."""
+        if outs.utility_output is not None:
+            target = self.pending_utility.pop(outs.utility_output.call_id, None)
+            if isinstance(target, asyncio.Future):
+                if not target.done():
+                    target.set_result(outs.utility_output)
+                return
+            if isinstance(target, tuple) and target[0] in self.clients:
+                utility = convert.utility_output_to_proto(outs.utility_output)
+                utility.call_id = target[1]
+                msg = engine_pb2.EngineCoreOutputs(
+                    engine_index=outs.engine_index, utility_output=utility, timestamp=outs.timestamp
+                )
+                self.clients[target[0]].outbox.put_nowait(msg)
+            return
+        per_client: dict[int, list[EngineCoreOutput]] = {cid: [] for cid in self.clients}
+        for out in outs.outputs:
+            cid = self.owner.get(out.request_id)
+            if cid is None:
+                continue
+            if cid in per_client:
+                per_client[cid].append(out)
+            if out.finished:
+                del self.owner[out.request_id]
+                if cid in self.clients:
+                    self.clients[cid].request_ids.discard(out.request_id)
+        stats = (
+            convert.scheduler_stats_to_proto(outs.scheduler_stats)
+            if outs.scheduler_stats is not None
+            else None
+        )
+        for cid, outputs in per_client.items():
+            finished = [o.request_id for o in outputs if o.finished]
+            msg = engine_pb2.EngineCoreOutputs(
+                engine_index=outs.engine_index,
+                outputs=[convert.engine_core_output_to_proto(o) for o in outputs],
+                scheduler_stats=stats,
+                timestamp=outs.timestamp,
+                finished_requests=finished,
+            )
+            self.clients[cid].outbox.put_nowait(msg)
+
+    def _on_dead(self, dead: EngineDead) -> None:
+        self.dead = dead
+        msg = convert.engine_dead_outputs(self.core.engine_index, dead.message, time.time())
+        for client in self.clients.values():
+            client.outbox.put_nowait(msg)
+            client.outbox.put_nowait(None)
+        self.died.set()
+
+    # ---- RPCs ---------------------------------------------------------------------
+
+    async def Stream(
+        self,
+        request_iterator: AsyncIterator[engine_pb2.EngineCoreInput],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[engine_pb2.EngineCoreOutputs]:
+        if self.dead is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.dead.message)
+        client = _Client(next(self._client_ids))
+        self.clients[client.client_id] = client
+        reader = asyncio.ensure_future(self._read_inputs(client, request_iterator, context))
+        try:
+            while True:
+                msg = await client.outbox.get()
+                if msg is None:
+                    break
+                yield msg
+        finally:
+            reader.cancel()
+            self.clients.pop(client.client_id, None)
+            if client.request_ids:
+                # The frontend went away: nobody will read these requests.
+                logger.info("client %d left; aborting %d requests", client.client_id, len(client.request_ids))
+                for rid in client.request_ids:
+                    self.owner.pop(rid, None)
+                self.engine_loop.abort_requests(list(client.request_ids))
+
+    async def _read_inputs(
+        self,
+        client: _Client,
+        inputs: AsyncIterator[engine_pb2.EngineCoreInput],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        try:
+            async for item in inputs:
+                kind = item.WhichOneof("kind")
+                if kind == "add":
+                    self._add(client, item.add)
+                elif kind == "abort":
+                    ids = [rid for rid in item.abort.request_ids if self.owner.get(rid) == client.client_id]
+                    self.engine_loop.abort_requests(ids)
+                elif kind == "utility":
+                    call_id, method, args = convert.utility_call_from_proto(item.utility)
+                    internal = next(self._call_ids)
+                    self.pending_utility[internal] = (client.client_id, call_id)
+                    self.engine_loop.call_utility(UtilityCall(internal, method, tuple(args)))
+                elif kind == "hello" and item.hello.tokenizer_fingerprint not in ("", self.fingerprint):
+                    # Frontends check GetEngineInfo first and refuse; this is for other clients.
+                    logger.warning("client %d has a different tokenizer", client.client_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("engine input stream of client %d failed", client.client_id)
+        finally:
+            # The client half-closed or dropped: end our half too.
+            client.outbox.put_nowait(None)
+
+    def _add(self, client: _Client, msg: engine_pb2.EngineCoreRequest) -> None:
+        try:
+            request = convert.engine_core_request_from_proto(msg)
+            self.core.validate_request(request)
+            if request.request_id in self.owner:
+                raise InvalidRequestError("request_id", request.request_id, "already running")
+        except (InvalidRequestError, convert.ConversionError) as exc:
+            rid = msg.request_id
+            err = EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR, stop_reason=str(exc))
+            client.outbox.put_nowait(
+                engine_pb2.EngineCoreOutputs(
+                    engine_index=self.core.engine_index,
+                    outputs=[convert.engine_core_output_to_proto(err)],
+                    finished_requests=[rid],
+                    timestamp=time.monotonic(),
+                )
+            )
+            return
+        self.owner[request.request_id] = client.client_id
+        client.request_ids.add(request.request_id)
+        self.engine_loop.add_request(request)
+
+    async def GetEngineInfo(
+        self, request: engine_pb2.GetEngineInfoRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.GetEngineInfoResponse:
+        core, cfg = self.core, self.core.config
+        return engine_pb2.GetEngineInfoResponse(
+            engine_index=core.engine_index,
+            architecture=core.model_config.architecture,
+            model=cfg.model,
+            served_model_name=Path(cfg.model).name,
+            max_model_len=core.max_model_len,
+            vocab_size=core.model_config.vocab_size,
+            block_size=cfg.block_size,
+            num_kv_blocks=core.num_blocks,
+            num_free_blocks=core.kv_manager.pool.num_free_blocks,
+            num_running_reqs=len(core.scheduler.running),
+            num_waiting_reqs=len(core.scheduler.waiting),
+            tokenizer_fingerprint=self.fingerprint,
+            max_logprobs=cfg.max_logprobs,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            dtype=str(cfg.torch_dtype).removeprefix("torch."),
+            device=str(cfg.torch_device),
+        )
+
+    async def ResetPrefixCache(
+        self, request: engine_pb2.ResetPrefixCacheRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.ResetPrefixCacheResponse:
+        result = await self.call_utility("reset_prefix_cache")
+        return engine_pb2.ResetPrefixCacheResponse(success=result.failure_message is None)
+
+    async def call_utility(self, method: str, *args: object):  # type: ignore[no-untyped-def]
+        call_id = next(self._call_ids)
+        future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        self.pending_utility[call_id] = future
+        self.engine_loop.call_utility(UtilityCall(call_id, method, args))
+        return await future
+
+
+def _warm_up(core: EngineCore) -> None:
+    """One short request through the whole step path before we report SERVING."""
+    from engine_service.outputs import EngineCoreRequest
+
+    core.add_request(
+        EngineCoreRequest("__warmup__", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))
+    )
+    while core.has_unfinished_requests():
+        core.step()
+
+
+async def serve_engine(engine_config: EngineConfig, server_config: EngineServerConfig) -> int:
+    """Run until SIGTERM/SIGINT (exit 0) or until the core dies (exit 1)."""
+    health_servicer = health.aio.HealthServicer()
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+            ("grpc.max_send_message_length", 64 * 1024 * 1024),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ]
+    )
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    bound = server.add_insecure_port(f"{server_config.host}:{server_config.port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {server_config.host}:{server_config.port}")
+    await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.start()  # health answers NOT_SERVING while the model loads
+    logger.info("engine %d listening on %s:%d", server_config.engine_index, server_config.host, bound)
+
+    core = await asyncio.to_thread(EngineCore, engine_config, server_config.engine_index)
+    await asyncio.to_thread(_warm_up, core)
+    engine_loop = EngineCoreLoop(core)
+    servicer = EngineServicer(core, engine_loop, engine_config.model)
+    engine_pb2_grpc.add_EngineCoreServicer_to_server(servicer, server)
+    engine_loop.start()
+    servicer.start_pump(asyncio.get_running_loop())
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    logger.info("engine %d SERVING %s", server_config.engine_index, engine_config.model)
+
+    stop = asyncio.Event()
+    aio_loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        aio_loop.add_signal_handler(sig, stop.set)
+    died = asyncio.ensure_future(servicer.died.wait())
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([died, stopped], return_when=asyncio.FIRST_COMPLETED)
+    await health_servicer.enter_graceful_shutdown()
+    if servicer.died.is_set():
+        await asyncio.sleep(0.2)  # let the engine-dead messages go out
+        await server.stop(server_config.grace_seconds)
+        logger.error("engine core died; exiting non-zero")
+        return 1
+    await server.stop(server_config.grace_seconds)
+    engine_loop.shutdown()
+    return 0
+
+
+def add_cli(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("engine", help="Run one engine service (gRPC).")
+    p.add_argument("--host", default=os.environ.get("TANDEM_ENGINE_HOST", "0.0.0.0"))
+    p.add_argument("--port", type=int, default=int(os.environ.get("TANDEM_ENGINE_PORT", "50061")))
+    p.add_argument("--engine-index", type=int, default=int(os.environ.get("TANDEM_ENGINE_INDEX", "0")))
+    EngineConfig.add_cli_args(p)
+    p.set_defaults(handler=run_cli)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    if not args.model:
+        from engine_service.make_model import demo_model_dir
+
+        args.model = demo_model_dir()
+    engine_config = EngineConfig.from_cli_args(args)
+    server_config = EngineServerConfig(host=args.host, port=args.port, engine_index=args.engine_index)
+    return asyncio.run(serve_engine(engine_config, server_config))

@@ -1,0 +1,38 @@
+"""Session fixtures: tiny random checkpoints made once per test session with make-model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine_service.make_model import make_model
+
+
+def _make(tmp_path_factory: pytest.TempPathFactory, name: str, **kwargs: object) -> str:
+    out: Path = tmp_path_factory.mktemp(name)
+    return make_model(out, preset="tiny", seed=0, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Llama, tied embeddings, llama3 rope scaling."""
+    return _make(tmp_path_factory, "tiny_llama", arch="llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_untied_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Llama with a separate lm_head."""
+    return _make(tmp_path_factory, "tiny_llama_untied", arch="llama", tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Qwen2: q/k/v biases, untied."""
+    return _make(tmp_path_factory, "tiny_qwen2", arch="qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Qwen3: q/k norms, head_dim 32 != hidden_size / num_heads."""
+    return _make(tmp_path_factory, "tiny_qwen3", arch="qwen3")
