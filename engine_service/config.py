@@ -173,8 +173,10 @@ def _parse_bool(text: str) -> bool:
 
 def _field_converter(f: dataclasses.Field[Any]) -> Any:
     type_text = str(f.type)
-    if "int" in type_text and "float" not in type_text:
+    if type_text.startswith("Literal") or type_text.startswith("str"):
+        return str
+    if type_text.startswith("int"):
         return int
-    if "float" in type_text:
+    if type_text.startswith("float"):
         return float
     return str

@@ -228,7 +228,7 @@ def compute_logprobs_tensors(
     chosen_logprobs = logprobs.gather(1, chosen)  # [N, 1]
     top_logprobs, top_ids = logprobs.topk(num_logprobs, dim=-1)  # [N, k]
     # Rank 1 is the most likely token; ties rank the chosen token first.
-    ranks = (logprobs > chosen_logprobs).sum(dim=-1) + 1  # [N]
+    ranks = (logprobs > chosen_logprobs).sum(dim=-1, dtype=torch.int32) + 1  # [N]
     return LogprobsTensors(
         token_ids=torch.cat([chosen, top_ids], dim=1),
         logprobs=torch.cat([chosen_logprobs, top_logprobs], dim=1).float(),
@@ -293,7 +293,7 @@ def apply_min_tokens_(logits: torch.Tensor, min_tokens_block: list[set[int] | No
 
 
 def apply_penalties_(
-    logits: torch.Tensor,  # [B, V]
+    logits: torch.Tensor,  # [B, V], contiguous
     presence_penalties: torch.Tensor | None,  # [B]
     frequency_penalties: torch.Tensor | None,  # [B]
     repetition_penalties: torch.Tensor | None,  # [B]
@@ -305,34 +305,41 @@ def apply_penalties_(
     repetition: tokens seen in prompt or output have positive logits divided and
     negative logits multiplied by the penalty; frequency: subtract penalty * count in
     output; presence: subtract penalty once if the token is in the output.
+    Works on the touched (row, token) pairs only: no [B, V] temporaries.
     """
     num_rows, vocab_size = logits.shape
     device = logits.device
     presence = _or_neutral(presence_penalties, num_rows, 0.0, device)
     frequency = _or_neutral(frequency_penalties, num_rows, 0.0, device)
     repetition = _or_neutral(repetition_penalties, num_rows, 1.0, device)
-    active = (presence != 0) | (frequency != 0) | (repetition != 1)  # [B]
-    rows = active.nonzero().flatten()  # [R]
-    if rows.numel() == 0:
+    is_active = ((presence != 0) | (frequency != 0) | (repetition != 1)).tolist()
+    uses_prompt = (repetition != 1).tolist()
+    rows = [r for r in range(num_rows) if is_active[r]]
+    if not rows:
         return
-    row_list = rows.tolist()
-    sub = logits[rows]  # [R, V] copy
-    row_index, token_index = _flatten_ids([output_token_ids[r] for r in row_list], logits)
-    counts = torch.zeros(len(row_list), vocab_size, dtype=sub.dtype, device=device)  # [R, V]
-    counts.index_put_(
-        (row_index, token_index), torch.ones_like(token_index, dtype=sub.dtype), accumulate=True
+    # Keys row * V + token: one per output token (repeats kept, for counts), and one per
+    # prompt token of rows with a repetition penalty.
+    out_rows, out_tokens = _flatten_ids([output_token_ids[r] for r in rows], logits)
+    row_map = torch.tensor(rows, dtype=torch.long, device=device)  # local -> batch row
+    output_keys = row_map[out_rows] * vocab_size + out_tokens  # [N_out]
+    prompt_rows = [r for r in rows if uses_prompt[r]]
+    p_rows, p_tokens = _flatten_ids([prompt_token_ids[r] for r in prompt_rows], logits)
+    p_map = torch.tensor(prompt_rows, dtype=torch.long, device=device)
+    prompt_keys = p_map[p_rows] * vocab_size + p_tokens  # [N_prompt]
+    keys = torch.unique(torch.cat([output_keys, prompt_keys]))  # [N], sorted
+    if keys.numel() == 0:
+        return
+    counts = torch.zeros(keys.shape[0], dtype=logits.dtype, device=device)  # [N]
+    counts.index_add_(
+        0, torch.searchsorted(keys, output_keys), torch.ones_like(output_keys, dtype=logits.dtype)
     )
-    in_output = counts > 0  # [R, V]
-    rep = repetition[rows]  # [R]
-    if bool((rep != 1).any()):
-        seen = in_output.clone()
-        p_rows, p_tokens = _flatten_ids([prompt_token_ids[r] for r in row_list], logits)
-        seen[p_rows, p_tokens] = True
-        scale = torch.where(sub > 0, 1.0 / rep[:, None], rep[:, None])  # [R, V]
-        sub = torch.where(seen, sub * scale, sub)
-    sub -= frequency[rows][:, None] * counts
-    sub -= presence[rows][:, None] * in_output.to(sub.dtype)
-    logits[rows] = sub
+    key_rows = keys // vocab_size  # [N]
+    flat = logits.view(-1)  # [B * V]
+    values = flat[keys]  # [N]
+    rep = repetition[key_rows]  # [N]; every key was seen in prompt or output
+    values = torch.where(values > 0, values / rep, values * rep)
+    values = values - frequency[key_rows] * counts - presence[key_rows] * (counts > 0)
+    flat[keys] = values
 
 
 def _or_neutral(

@@ -70,9 +70,11 @@ class _Client:
 
 
 class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
-    def __init__(self, core: EngineCore, loop: EngineCoreLoop, model_dir: str) -> None:
-        self.core = core
-        self.engine_loop = loop
+    """Registered before the model loads; RPCs answer UNAVAILABLE until ``attach``."""
+
+    def __init__(self, model_dir: str) -> None:
+        self.core: EngineCore = None  # type: ignore[assignment]  # set by attach()
+        self.engine_loop: EngineCoreLoop = None  # type: ignore[assignment]
         self.model_dir = model_dir
         self.fingerprint = tokenizer_fingerprint(model_dir)
         self.clients: dict[int, _Client] = {}
@@ -84,6 +86,16 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
         self.aio_loop: asyncio.AbstractEventLoop | None = None
         self.dead: EngineDead | None = None
         self.died = asyncio.Event()
+
+    def attach(self, core: EngineCore, loop: EngineCoreLoop) -> None:
+        self.core = core
+        self.engine_loop = loop
+
+    async def _require_ready(self, context: grpc.aio.ServicerContext) -> None:
+        if self.core is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is still loading its model")
+        if self.dead is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.dead.message)
 
     # ---- the output pump (its own thread) -------------------------------------
 
@@ -158,8 +170,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
         request_iterator: AsyncIterator[engine_pb2.EngineCoreInput],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[engine_pb2.EngineCoreOutputs]:
-        if self.dead is not None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, self.dead.message)
+        await self._require_ready(context)
         client = _Client(next(self._client_ids))
         self.clients[client.client_id] = client
         reader = asyncio.ensure_future(self._read_inputs(client, request_iterator, context))
@@ -234,6 +245,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
     async def GetEngineInfo(
         self, request: engine_pb2.GetEngineInfoRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.GetEngineInfoResponse:
+        await self._require_ready(context)
         core, cfg = self.core, self.core.config
         return engine_pb2.GetEngineInfoResponse(
             engine_index=core.engine_index,
@@ -259,6 +271,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
     async def ResetPrefixCache(
         self, request: engine_pb2.ResetPrefixCacheRequest, context: grpc.aio.ServicerContext
     ) -> engine_pb2.ResetPrefixCacheResponse:
+        await self._require_ready(context)
         result = await self.call_utility("reset_prefix_cache")
         return engine_pb2.ResetPrefixCacheResponse(success=result.failure_message is None)
 
@@ -297,6 +310,8 @@ async def serve_engine(engine_config: EngineConfig, server_config: EngineServerC
     bound = server.add_insecure_port(f"{server_config.host}:{server_config.port}")
     if bound == 0:
         raise OSError(f"cannot bind {server_config.host}:{server_config.port}")
+    servicer = EngineServicer(engine_config.model)
+    engine_pb2_grpc.add_EngineCoreServicer_to_server(servicer, server)
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()  # health answers NOT_SERVING while the model loads
@@ -305,8 +320,7 @@ async def serve_engine(engine_config: EngineConfig, server_config: EngineServerC
     core = await asyncio.to_thread(EngineCore, engine_config, server_config.engine_index)
     await asyncio.to_thread(_warm_up, core)
     engine_loop = EngineCoreLoop(core)
-    servicer = EngineServicer(core, engine_loop, engine_config.model)
-    engine_pb2_grpc.add_EngineCoreServicer_to_server(servicer, server)
+    servicer.attach(core, engine_loop)
     engine_loop.start()
     servicer.start_pump(asyncio.get_running_loop())
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)

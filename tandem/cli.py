@@ -65,7 +65,22 @@ def _run_offline(args: argparse.Namespace) -> int:
     return 0
 
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_make_model, _add_run]
+def _add_services(sub: argparse._SubParsersAction) -> None:
+    from engine_service import server as engine_server
+    from frontend_service import server as frontend_server
+    from tandem import client, serve
+
+    engine_server.add_cli(sub)
+    frontend_server.add_cli(sub)
+    serve.add_cli(sub)
+    client.add_cli(sub)
+
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_make_model,
+    _add_run,
+    _add_services,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    handler: Handler = args.handler
+    handler: Handler = getattr(args, "handler", None) or args.func
     return handler(args)
 
 

@@ -93,15 +93,15 @@ class ModelConfig:
         fields = _ConfigFields(raw, source)
         architecture = _architecture(raw, source)
         model_type = SUPPORTED_ARCHITECTURES[architecture]
-        hidden_size = fields.int("hidden_size")
-        num_heads = fields.int("num_attention_heads")
-        num_kv_heads = fields.int("num_key_value_heads", default=num_heads)
+        hidden_size = fields.positive_int("hidden_size")
+        num_heads = fields.positive_int("num_attention_heads")
+        num_kv_heads = fields.positive_int("num_key_value_heads", default=num_heads)
         if num_heads % num_kv_heads != 0:
             raise ModelLoadError(
                 f"{source}: num_attention_heads ({num_heads}) is not a multiple of "
                 f"num_key_value_heads ({num_kv_heads})"
             )
-        head_dim = fields.int("head_dim", default=None)
+        head_dim = fields.positive_int("head_dim", default=None)
         if head_dim is None:
             if hidden_size % num_heads != 0:
                 raise ModelLoadError(
@@ -121,14 +121,14 @@ class ModelConfig:
             architecture=architecture,
             model_type=model_type,
             hidden_size=hidden_size,
-            num_layers=fields.int("num_hidden_layers"),
+            num_layers=fields.positive_int("num_hidden_layers"),
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            intermediate_size=fields.int("intermediate_size"),
-            vocab_size=fields.int("vocab_size"),
-            max_position_embeddings=fields.int("max_position_embeddings"),
-            rms_norm_eps=fields.float("rms_norm_eps"),
+            intermediate_size=fields.positive_int("intermediate_size"),
+            vocab_size=fields.positive_int("vocab_size"),
+            max_position_embeddings=fields.positive_int("max_position_embeddings"),
+            rms_norm_eps=fields.positive_float("rms_norm_eps"),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
@@ -146,7 +146,7 @@ class _ConfigFields:
         self._raw = raw
         self._source = source
 
-    def int(self, name: str, default: Any = ...) -> Any:
+    def positive_int(self, name: str, default: Any = ...) -> Any:
         value = self._get(name, default)
         if value is None and default is None:
             return None
@@ -154,7 +154,7 @@ class _ConfigFields:
             raise ModelLoadError(f"{self._source}: field {name!r} must be a positive integer, got {value!r}")
         return value
 
-    def float(self, name: str) -> float:
+    def positive_float(self, name: str) -> float:
         value = self._get(name, ...)
         if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
             raise ModelLoadError(f"{self._source}: field {name!r} must be a positive number, got {value!r}")

@@ -1,0 +1,210 @@
+"""The frontend's side of the engine hop: one bidi stream per engine, and a balancer.
+
+Each ``EngineConnection`` keeps one long-lived ``EngineCore.Stream`` to an engine
+service: requests and aborts go up as ``EngineCoreInput`` messages, and one
+``EngineCoreOutputs`` per engine step comes down. ``EngineGroup`` places each new
+request on the least-loaded live engine (vLLM's score: waiting x 4 + running) and
+keeps it there for its whole life.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from engine_service import convert
+from engine_service.outputs import EngineCoreOutputs, EngineCoreRequest
+from tandem.v1 import engine_pb2, engine_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
+class EngineUnavailableError(RuntimeError):
+    """No engine can take or finish the request. Maps to gRPC UNAVAILABLE."""
+
+
+class TokenizerMismatchError(RuntimeError):
+    """The engine serves a model whose tokenizer differs from the frontend's."""
+
+
+@dataclass
+class EngineLoad:
+    running: int = 0
+    waiting: int = 0
+    in_flight_adds: int = 0  # sent since the last stats arrived
+
+    @property
+    def score(self) -> int:
+        return (self.waiting + self.in_flight_adds) * 4 + self.running
+
+
+OutputsHandler = Callable[["EngineConnection", EngineCoreOutputs], None]
+DeadHandler = Callable[["EngineConnection", str], None]
+
+
+class EngineConnection:
+    def __init__(
+        self,
+        address: str,
+        index: int,
+        client_index: int,
+        on_outputs: OutputsHandler,
+        on_dead: DeadHandler,
+    ) -> None:
+        self.address = address
+        self.index = index
+        self.client_index = client_index
+        self.on_outputs = on_outputs
+        self.on_dead = on_dead
+        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.stub = engine_pb2_grpc.EngineCoreStub(self.channel)
+        self.info: engine_pb2.GetEngineInfoResponse | None = None
+        self.load = EngineLoad()
+        self.alive = False
+        self.dead_reason = ""
+        self._send: asyncio.Queue[engine_pb2.EngineCoreInput | None] = asyncio.Queue()
+        self._reader: asyncio.Task[None] | None = None
+
+    async def fetch_info(self, timeout: float) -> engine_pb2.GetEngineInfoResponse:
+        """Wait (up to ``timeout``) for the engine to answer and return its info."""
+        try:
+            self.info = await self.stub.GetEngineInfo(
+                engine_pb2.GetEngineInfoRequest(), timeout=timeout, wait_for_ready=True
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise EngineUnavailableError(
+                f"engine at {self.address} is unreachable: {exc.code().name}: {exc.details()}"
+            ) from exc
+        return self.info
+
+    async def open(self, tokenizer_fingerprint: str) -> None:
+        """Start the stream; the first message says who we are."""
+        await self._send.put(convert.hello_input(self.client_index, tokenizer_fingerprint))
+        call = self.stub.Stream(self._inputs())
+        self.alive = True
+        self._reader = asyncio.ensure_future(self._read(call))
+
+    async def _inputs(self):  # type: ignore[no-untyped-def]
+        while True:
+            item = await self._send.get()
+            if item is None:
+                return
+            yield item
+
+    async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
+        reason = "the engine closed the stream"
+        try:
+            async for msg in call:
+                try:
+                    outs = convert.engine_core_outputs_from_proto(msg)
+                except convert.EngineDeadError as exc:
+                    reason = str(exc)
+                    break
+                if outs.scheduler_stats is not None:
+                    self.load.running = outs.scheduler_stats.num_running_reqs
+                    self.load.waiting = outs.scheduler_stats.num_waiting_reqs
+                    self.load.in_flight_adds = 0
+                self.on_outputs(self, outs)
+        except grpc.aio.AioRpcError as exc:
+            reason = f"{exc.code().name}: {exc.details()}"
+        except asyncio.CancelledError:
+            reason = "the frontend is shutting down"
+        finally:
+            self._mark_dead(reason)
+
+    def _mark_dead(self, reason: str) -> None:
+        if not self.alive:
+            return
+        self.alive = False
+        self.dead_reason = f"engine {self.index} at {self.address} is unavailable: {reason}"
+        logger.error(self.dead_reason)
+        self.on_dead(self, self.dead_reason)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        if not self.alive:
+            raise EngineUnavailableError(
+                self.dead_reason or f"engine at {self.address} is not connected"
+            )
+        self.load.in_flight_adds += 1
+        self._send.put_nowait(convert.add_input(request))
+
+    def abort(self, request_ids: list[str]) -> None:
+        if self.alive and request_ids:
+            self._send.put_nowait(convert.abort_input(request_ids))
+
+    async def close(self) -> None:
+        self._send.put_nowait(None)
+        if self._reader is not None:
+            self._reader.cancel()
+        await self.channel.close()
+
+
+class EngineGroup:
+    """All engines of one frontend, and the placement of requests on them."""
+
+    def __init__(
+        self,
+        addresses: list[str],
+        client_index: int,
+        on_outputs: OutputsHandler,
+        on_dead: DeadHandler,
+    ) -> None:
+        if not addresses:
+            raise ValueError("at least one engine address is required")
+        self.engines = [
+            EngineConnection(addr, i, client_index, on_outputs, on_dead)
+            for i, addr in enumerate(addresses)
+        ]
+
+    async def connect(
+        self, tokenizer_fingerprint: str, timeout: float
+    ) -> engine_pb2.GetEngineInfoResponse:
+        """Reach every engine, check each serves our tokenizer, open the streams."""
+        infos = await asyncio.gather(*(e.fetch_info(timeout) for e in self.engines))
+        for engine, info in zip(self.engines, infos):
+            if tokenizer_fingerprint and info.tokenizer_fingerprint != tokenizer_fingerprint:
+                raise TokenizerMismatchError(
+                    f"engine at {engine.address} serves {info.model} whose tokenizer fingerprint "
+                    f"{info.tokenizer_fingerprint[:12]} differs from the frontend's "
+                    f"{tokenizer_fingerprint[:12]}: start both with the same model"
+                )
+        first = infos[0]
+        for engine, info in zip(self.engines[1:], infos[1:]):
+            if (info.max_model_len, info.vocab_size) != (first.max_model_len, first.vocab_size):
+                raise TokenizerMismatchError(
+                    f"engine at {engine.address} has max_model_len={info.max_model_len}, "
+                    f"vocab_size={info.vocab_size}; engine 0 has {first.max_model_len}, {first.vocab_size}"
+                )
+        for engine in self.engines:
+            await engine.open(tokenizer_fingerprint)
+        return first
+
+    @property
+    def any_alive(self) -> bool:
+        return any(e.alive for e in self.engines)
+
+    def pick(self) -> EngineConnection:
+        """The live engine with the lowest load score (ties: lowest index)."""
+        live = [e for e in self.engines if e.alive]
+        if not live:
+            reasons = "; ".join(
+                e.dead_reason or f"{e.address}: not connected" for e in self.engines
+            )
+            raise EngineUnavailableError(f"no engine is available ({reasons})")
+        return min(live, key=lambda e: (e.load.score, e.index))
+
+    async def close(self) -> None:
+        await asyncio.gather(*(e.close() for e in self.engines), return_exceptions=True)

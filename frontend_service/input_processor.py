@@ -1,0 +1,247 @@
+"""Turns a user request (text, token ids or chat messages) into validated engine requests.
+
+Every rejected input raises ``InvalidRequestError`` naming the offending field
+(``prompt``, ``prompt_token_ids[3]``, ``messages[1].role``, ``max_tokens``, ...), which
+the gRPC layer maps to INVALID_ARGUMENT.
+
+Length policy: the prompt must leave room for at least one output token
+(``len(prompt) < max_model_len``). ``max_tokens=None`` becomes
+``max_model_len - len(prompt)``. A larger ``max_tokens`` is accepted as given: the
+engine's max_model_len check ends the request with finish reason "length" when
+prompt + output reaches ``max_model_len``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from numbers import Integral
+from typing import Any
+
+from engine_service.outputs import EngineCoreRequest
+from engine_service.sampling_params import InvalidRequestError, SamplingParams
+from frontend_service.output_processor import ParentRequest
+
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+
+
+@dataclass
+class ProcessedRequest:
+    """One validated user request and the engine requests it fans out into."""
+
+    request_id: str  # the user's request id
+    prompt: str | None  # the prompt text (the rendered chat for messages); None for ids
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams  # the user's params with max_tokens resolved
+    parent: ParentRequest
+    engine_requests: list[EngineCoreRequest]  # child i of ``parent`` is element i
+
+
+class ChatRenderer:
+    """Validates chat messages and renders them with the tokenizer's chat template."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    @staticmethod
+    def validate(messages: Any) -> list[dict[str, Any]]:
+        if isinstance(messages, str | bytes) or not isinstance(messages, Sequence):
+            raise InvalidRequestError("messages", messages, "must be a list of messages")
+        if not messages:
+            raise InvalidRequestError("messages", messages, "must not be empty")
+        checked: list[dict[str, Any]] = []
+        for i, message in enumerate(messages):
+            if not isinstance(message, Mapping):
+                raise InvalidRequestError(
+                    f"messages[{i}]", message, "must be an object with role and content"
+                )
+            role = message.get("role")
+            if not isinstance(role, str):
+                raise InvalidRequestError(f"messages[{i}].role", role, "must be a string")
+            if role not in CHAT_ROLES:
+                raise InvalidRequestError(
+                    f"messages[{i}].role", role, f"unknown role; one of {sorted(CHAT_ROLES)}"
+                )
+            content = message.get("content")
+            if not isinstance(content, str):
+                raise InvalidRequestError(f"messages[{i}].content", content, "must be a string")
+            checked.append(dict(message))
+        return checked
+
+    def render(self, messages: Any) -> str:
+        """The prompt text, ending with the generation prompt of the assistant turn."""
+        checked = self.validate(messages)
+        if getattr(self._tokenizer, "chat_template", None) is None:
+            raise InvalidRequestError("messages", messages, "the model has no chat template")
+        try:
+            text = self._tokenizer.apply_chat_template(
+                checked, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # template errors depend on user input
+            raise InvalidRequestError("messages", messages, f"chat template failed: {exc}") from exc
+        if not isinstance(text, str):
+            raise InvalidRequestError("messages", messages, "chat template produced no text")
+        return text
+
+
+class InputProcessor:
+    """Validates and tokenizes user requests for one model."""
+
+    def __init__(
+        self,
+        tokenizer: Any | None,
+        max_model_len: int,
+        vocab_size: int,
+        max_logprobs: int,
+        eos_token_id: int | None,
+    ) -> None:
+        for name, value, low in (
+            ("max_model_len", max_model_len, 1),
+            ("vocab_size", vocab_size, 1),
+            ("max_logprobs", max_logprobs, 0),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        self._tokenizer = tokenizer
+        self._chat = ChatRenderer(tokenizer) if tokenizer is not None else None
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.max_logprobs = max_logprobs
+        self.eos_token_id = eos_token_id
+
+    def process(
+        self,
+        request_id: str,
+        sampling_params: SamplingParams | None = None,
+        *,
+        prompt: str | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        client_index: int = 0,
+        trace_headers: dict[str, str] | None = None,
+    ) -> ProcessedRequest:
+        """Validate one request given as exactly one of prompt, prompt_token_ids, messages."""
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id", request_id, "must be a non-empty string")
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling_params", params, "must be SamplingParams")
+        params.validate(self.vocab_size, self.max_logprobs)
+        if params.stop and self._tokenizer is None:
+            raise InvalidRequestError("stop", params.stop, "stop strings need a tokenizer")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError("priority", priority, "must be an integer")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidRequestError("cache_salt", cache_salt, "must be a non-empty string")
+
+        field, text, token_ids = self._prompt_tokens(prompt, prompt_token_ids, messages)
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                field,
+                len(token_ids),
+                f"prompt has {len(token_ids)} tokens; max_model_len {self.max_model_len} "
+                "leaves no room for output",
+            )
+        params = self._resolve_max_tokens(params, len(token_ids))
+
+        parent = ParentRequest(request_id, params)
+        arrival = time.time() if arrival_time is None else arrival_time
+        engine_requests = [
+            EngineCoreRequest(
+                request_id=parent.child_request_id(index),
+                prompt_token_ids=list(token_ids),
+                sampling_params=parent.child_sampling_params(index),
+                eos_token_id=self.eos_token_id,
+                arrival_time=arrival,
+                priority=priority,
+                cache_salt=cache_salt,
+                client_index=client_index,
+                external_req_id=request_id,
+                trace_headers=dict(trace_headers) if trace_headers else None,
+            )
+            for index in range(params.n)
+        ]
+        return ProcessedRequest(request_id, text, token_ids, params, parent, engine_requests)
+
+    def _prompt_tokens(
+        self,
+        prompt: str | None,
+        prompt_token_ids: Sequence[int] | None,
+        messages: Sequence[Mapping[str, Any]] | None,
+    ) -> tuple[str, str | None, list[int]]:
+        """(field name, prompt text, token ids) of the one input that was given."""
+        given = [
+            name
+            for name, value in (
+                ("prompt", prompt),
+                ("prompt_token_ids", prompt_token_ids),
+                ("messages", messages),
+            )
+            if value is not None
+        ]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "prompt", given, "give exactly one of prompt, prompt_token_ids, messages"
+            )
+        if prompt_token_ids is not None:
+            return "prompt_token_ids", None, self._check_token_ids(prompt_token_ids)
+        if self._tokenizer is None or self._chat is None:
+            raise InvalidRequestError(
+                given[0], "...", "no tokenizer is loaded: send prompt_token_ids"
+            )
+        if messages is not None:
+            text = self._chat.render(messages)
+            # The template already wrote the special tokens it wants (BOS, turn markers).
+            ids = list(self._tokenizer.encode(text, add_special_tokens=False))
+            field = "messages"
+        else:
+            if not isinstance(prompt, str):
+                raise InvalidRequestError("prompt", prompt, "must be a string")
+            if not prompt:
+                raise InvalidRequestError("prompt", prompt, "must not be empty")
+            text = prompt
+            ids = list(self._tokenizer.encode(prompt, add_special_tokens=True))
+            field = "prompt"
+        if not ids:
+            raise InvalidRequestError(field, text, "tokenizes to no tokens")
+        return field, text, ids
+
+    def _check_token_ids(self, token_ids: Any) -> list[int]:
+        if isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence):
+            raise InvalidRequestError("prompt_token_ids", token_ids, "must be a list of integers")
+        if not token_ids:
+            raise InvalidRequestError("prompt_token_ids", token_ids, "must not be empty")
+        checked: list[int] = []
+        for i, token in enumerate(token_ids):
+            if isinstance(token, bool) or not isinstance(token, Integral):
+                raise InvalidRequestError(f"prompt_token_ids[{i}]", token, "must be an integer")
+            if not 0 <= token < self.vocab_size:
+                raise InvalidRequestError(
+                    f"prompt_token_ids[{i}]",
+                    token,
+                    f"token id outside the vocabulary [0, {self.vocab_size})",
+                )
+            checked.append(int(token))
+        return checked
+
+    def _resolve_max_tokens(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        """A copy with max_tokens filled in; the caller's params are never modified."""
+        room = self.max_model_len - prompt_len
+        max_tokens = room if params.max_tokens is None else params.max_tokens
+        if params.min_tokens > min(max_tokens, room):
+            raise InvalidRequestError(
+                "min_tokens",
+                params.min_tokens,
+                f"must be <= the {min(max_tokens, room)} tokens this prompt leaves room for",
+            )
+        return dataclasses.replace(
+            params,
+            max_tokens=max_tokens,
+            stop=list(params.stop),
+            stop_token_ids=list(params.stop_token_ids),
+        )

@@ -1,0 +1,101 @@
+"""The in-process offline API: ``LLM(model=DIR).generate(prompts, sampling_params)``.
+
+Same input and output processing as the frontend service, with the EngineCore in
+this process instead of behind gRPC: for batch jobs, tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from engine_service.config import EngineConfig
+from engine_service.core import EngineCore
+from engine_service.sampling_params import InvalidRequestError, RequestOutputKind, SamplingParams
+from frontend_service.input_processor import InputProcessor
+from frontend_service.output_processor import OutputProcessor
+from frontend_service.outputs import RequestOutput
+
+# A prompt: text, {"prompt_token_ids": [...]} or {"prompt": "..."}, or chat messages.
+PromptType = str | Mapping[str, Any] | Sequence[Mapping[str, Any]]
+
+
+class LLM:
+    def __init__(self, model: str, **engine_args: Any) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self.engine = EngineCore(EngineConfig(model=model, **engine_args))
+        mc = self.engine.model_config
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            self.engine.max_model_len,
+            mc.vocab_size,
+            self.engine.config.max_logprobs,
+            self.tokenizer.eos_token_id,
+        )
+        self._counter = 0
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order."""
+        if isinstance(prompts, str | Mapping) or _is_chat(prompts):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise InvalidRequestError(
+                    "sampling_params", len(params_list), f"needs one per prompt ({len(prompts)})"
+                )
+        processor = OutputProcessor(self.tokenizer)
+        order: list[str] = []
+        for prompt, params in zip(prompts, params_list):
+            request_id = str(self._counter)
+            self._counter += 1
+            final_only = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+            processed = self.input_processor.process(request_id, final_only, **_prompt_kwargs(prompt))
+            processor.add_processed(processed)
+            for req in processed.engine_requests:
+                self.engine.add_request(req)
+            order.append(request_id)
+        results: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            step = self.engine.step()
+            processed_outputs = processor.process_outputs(step.outputs)
+            for user_id, out in processed_outputs.request_outputs:
+                if out.finished:
+                    results[user_id] = out
+            if processed_outputs.reqs_to_abort:
+                self.engine.abort_requests(processed_outputs.reqs_to_abort)
+        return [results[rid] for rid in order]
+
+
+def _is_chat(value: Any) -> bool:
+    return (
+        isinstance(value, Sequence)
+        and not isinstance(value, str)
+        and bool(value)
+        and isinstance(value[0], Mapping)
+        and "role" in value[0]
+    )
+
+
+def _prompt_kwargs(prompt: PromptType) -> dict[str, Any]:
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    if isinstance(prompt, Mapping):
+        if "prompt_token_ids" in prompt:
+            return {"prompt_token_ids": list(prompt["prompt_token_ids"])}
+        if "prompt" in prompt:
+            return {"prompt": prompt["prompt"]}
+        raise InvalidRequestError("prompt", dict(prompt), "needs prompt or prompt_token_ids")
+    if _is_chat(prompt):
+        return {"messages": list(prompt)}
+    raise InvalidRequestError("prompt", prompt, "must be text, a token-id dict or chat messages")

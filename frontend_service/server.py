@@ -1,0 +1,259 @@
+"""The frontend service (``tandem frontend``): the public ``tandem.v1.Generation`` API.
+
+The servicer is thin: protobuf in, ``AsyncLLM`` call, protobuf out; every failure
+goes through ``errors.abort_with`` for its status code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine_service.server import tokenizer_fingerprint
+from frontend_service import api
+from frontend_service.async_llm import AsyncLLM, PauseMode
+from frontend_service.engine_client import EngineConnection, EngineGroup
+from frontend_service.errors import abort_with
+from frontend_service.input_processor import ChatRenderer, InputProcessor
+from tandem.v1 import frontend_pb2, frontend_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = frontend_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+TRACE_METADATA_KEYS = ("traceparent", "tracestate")
+
+
+@dataclass
+class FrontendConfig:
+    """Settings of one frontend service; each is a flag and a TANDEM_* env var."""
+
+    model: str = ""  # checkpoint directory whose tokenizer files the frontend loads
+    engines: list[str] = field(default_factory=list)  # engine HOST:PORT addresses
+    host: str = "0.0.0.0"
+    port: int = 50051
+    client_index: int = 0  # tells engines which frontend a request came from
+    connect_timeout: float = 60.0  # seconds to wait for every engine at start-up
+
+
+class GenerationServicer(frontend_pb2_grpc.GenerationServicer):
+    """Registered before the engines answer; see ``attach``."""
+
+    def __init__(self, fingerprint: str) -> None:
+        self.llm: AsyncLLM = None  # type: ignore[assignment]  # set by attach()
+        self.model_name = ""
+        self.info: Any = None
+        self.fingerprint = fingerprint
+
+    def attach(self, llm: AsyncLLM, model_name: str, info: Any) -> None:
+        self.llm = llm
+        self.model_name = model_name
+        self.info = info
+
+    async def _require_ready(self, context: grpc.aio.ServicerContext) -> None:
+        if self.llm is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the frontend is still connecting to its engines")
+
+    async def Generate(
+        self, request: frontend_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[frontend_pb2.GenerateResponse]:
+        await self._require_ready(context)
+        try:
+            args = api.generate_args_from_proto(request)
+            metadata = dict(context.invocation_metadata() or ())
+            trace = {k: metadata[k] for k in TRACE_METADATA_KEYS if k in metadata}
+            first = True
+            async for out in self.llm.generate(args.sampling_params, trace_headers=trace or None, **args.kwargs):
+                yield api.response_to_proto(out, args.sampling_params, first)
+                first = False
+                if out.finished and any(c.finish_reason == "error" for c in out.outputs):
+                    await context.abort(grpc.StatusCode.INTERNAL, "the engine failed this request")
+        except asyncio.CancelledError:
+            raise  # client cancelled or deadline passed: AsyncLLM already aborted
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await abort_with(context, exc)
+
+    async def Abort(
+        self, request: frontend_pb2.AbortRequest, context: grpc.aio.ServicerContext
+    ) -> frontend_pb2.AbortResponse:
+        await self._require_ready(context)
+        self.llm.abort(list(request.request_ids))
+        return frontend_pb2.AbortResponse()
+
+    async def Tokenize(
+        self, request: frontend_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> frontend_pb2.TokenizeResponse:
+        await self._require_ready(context)
+        tok = self.llm.tokenizer
+        try:
+            if request.WhichOneof("input") == "chat":
+                messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+                text = ChatRenderer(tok).render(messages)
+                special = request.add_special_tokens if request.HasField("add_special_tokens") else False
+            else:
+                text = request.prompt
+                special = request.add_special_tokens if request.HasField("add_special_tokens") else True
+            ids = tok.encode(text, add_special_tokens=special)
+        except Exception as exc:
+            await abort_with(context, exc)
+        strings = tok.convert_ids_to_tokens(ids) if request.return_token_strings else []
+        return frontend_pb2.TokenizeResponse(
+            token_ids=ids, token_strings=strings, max_model_len=self.info.max_model_len
+        )
+
+    async def Detokenize(
+        self, request: frontend_pb2.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> frontend_pb2.DetokenizeResponse:
+        await self._require_ready(context)
+        vocab = self.info.vocab_size
+        bad = [t for t in request.token_ids if not 0 <= t < vocab]
+        if bad:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"invalid token_ids: {bad[0]} is outside the vocabulary [0, {vocab})",
+            )
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        text = self.llm.tokenizer.decode(list(request.token_ids), skip_special_tokens=skip)
+        return frontend_pb2.DetokenizeResponse(text=text)
+
+    async def GetModelInfo(
+        self, request: frontend_pb2.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> frontend_pb2.GetModelInfoResponse:
+        await self._require_ready(context)
+        eos = self.llm.input_processor.eos_token_id
+        return frontend_pb2.GetModelInfoResponse(
+            model=self.model_name,
+            architecture=self.info.architecture,
+            max_model_len=self.info.max_model_len,
+            vocab_size=self.info.vocab_size,
+            max_logprobs=self.info.max_logprobs,
+            eos_token_id=eos,
+            tokenizer_fingerprint=self.fingerprint,
+            num_engines=len(self.llm.engines.engines),
+        )
+
+    async def PauseGeneration(
+        self, request: frontend_pb2.PauseGenerationRequest, context: grpc.aio.ServicerContext
+    ) -> frontend_pb2.PauseGenerationResponse:
+        await self._require_ready(context)
+        mode = PauseMode.WAIT if request.mode == frontend_pb2.PAUSE_MODE_WAIT else PauseMode.ABORT
+        await self.llm.pause(mode)
+        return frontend_pb2.PauseGenerationResponse()
+
+    async def ResumeGeneration(
+        self, request: frontend_pb2.ResumeGenerationRequest, context: grpc.aio.ServicerContext
+    ) -> frontend_pb2.ResumeGenerationResponse:
+        await self._require_ready(context)
+        self.llm.resume()
+        return frontend_pb2.ResumeGenerationResponse()
+
+    async def IsPaused(
+        self, request: frontend_pb2.IsPausedRequest, context: grpc.aio.ServicerContext
+    ) -> frontend_pb2.IsPausedResponse:
+        await self._require_ready(context)
+        return frontend_pb2.IsPausedResponse(paused=self.llm.paused)
+
+
+async def serve_frontend(config: FrontendConfig, ready: asyncio.Event | None = None) -> int:
+    from transformers import AutoTokenizer
+
+    if not config.engines:
+        raise ValueError("the frontend needs at least one --engine HOST:PORT")
+    tokenizer = AutoTokenizer.from_pretrained(config.model)
+    fingerprint = tokenizer_fingerprint(config.model)
+    health_servicer = health.aio.HealthServicer()
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    bound = server.add_insecure_port(f"{config.host}:{config.port}")
+    if bound == 0:
+        raise OSError(f"cannot bind {config.host}:{config.port}")
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    servicer = GenerationServicer(fingerprint)
+    frontend_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    await server.start()
+
+    holder: dict[str, AsyncLLM] = {}
+    background: set[asyncio.Task[None]] = set()
+
+    def on_outputs(engine: EngineConnection, outs: Any) -> None:
+        holder["llm"].on_engine_outputs(engine, outs)
+
+    def on_dead(engine: EngineConnection, reason: str) -> None:
+        holder["llm"].on_engine_dead(engine, reason)
+        if not group.any_alive:
+            for name in ("", SERVICE_NAME):
+                task = asyncio.ensure_future(
+                    health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+                )
+                background.add(task)
+                task.add_done_callback(background.discard)
+
+    group = EngineGroup(config.engines, config.client_index, on_outputs, on_dead)
+    info = await group.connect(fingerprint, config.connect_timeout)
+    eos = tokenizer.eos_token_id
+    processor = InputProcessor(tokenizer, info.max_model_len, info.vocab_size, info.max_logprobs, eos)
+    llm = AsyncLLM(tokenizer, group, processor, config.client_index)
+    holder["llm"] = llm
+    servicer.attach(llm, info.served_model_name or config.model, info)
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    logger.info("frontend SERVING on %s:%d with %d engine(s)", config.host, bound, len(config.engines))
+    if ready is not None:
+        ready.set()
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(2.0)
+    await group.close()
+    return 0
+
+
+def add_cli(sub: argparse._SubParsersAction) -> None:
+    env = os.environ.get
+    p = sub.add_parser("frontend", help="Run the frontend service (gRPC).")
+    p.add_argument("--engine", dest="engines", action="append", default=None,
+                   help="Engine address HOST:PORT; repeat for several (env TANDEM_ENGINES, comma-separated).")
+    p.add_argument("--model", default=env("TANDEM_MODEL", ""), help="Checkpoint dir for the tokenizer; default: demo model.")
+    p.add_argument("--host", default=env("TANDEM_FRONTEND_HOST", "0.0.0.0"))
+    p.add_argument("--port", type=int, default=int(env("TANDEM_FRONTEND_PORT", "50051")))
+    p.add_argument("--client-index", type=int, default=int(env("TANDEM_CLIENT_INDEX", "0")))
+    p.add_argument("--connect-timeout", type=float, default=float(env("TANDEM_CONNECT_TIMEOUT", "60")))
+    p.set_defaults(handler=run_cli)
+
+
+def config_from_args(args: argparse.Namespace) -> FrontendConfig:
+    engines = args.engines or [e for e in os.environ.get("TANDEM_ENGINES", "").split(",") if e]
+    model = args.model
+    if not model:
+        from engine_service.make_model import demo_model_dir
+
+        model = demo_model_dir()
+    return FrontendConfig(
+        model=model,
+        engines=engines,
+        host=args.host,
+        port=args.port,
+        client_index=args.client_index,
+        connect_timeout=args.connect_timeout,
+    )
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    return asyncio.run(serve_frontend(config_from_args(args)))

@@ -1,0 +1,519 @@
+"""Triton implementations of Tandem's kernels, with the signatures of ``kernels.reference``.
+
+Importing this module imports triton. Each op is split in two:
+- ``plan_<op>`` validates the inputs and returns a ``KernelLaunch`` (kernel, grid,
+  arguments, compile-time constants). It touches no device, so tests can also hand the
+  same launch to ``triton.compile`` for a GPU target on a machine without one.
+- ``<op>`` checks that the tensors can be launched on, runs the plan and returns what the
+  reference returns.
+
+With ``TRITON_INTERPRET=1`` set before triton is imported, the kernels run on CPU
+tensors through Triton's interpreter. The interpreter gets bfloat16 arithmetic wrong, so
+there the attention kernel upcasts bfloat16 to float32 right after loading.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import triton
+from triton.compiler import ASTSource
+
+from kernels.triton_attention import paged_attention_kernel
+from kernels.triton_cache import reshape_and_cache_kernel
+from kernels.triton_layers import rms_norm_kernel, rotary_embedding_kernel
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_TRITON_DTYPE_NAMES = {
+    torch.float32: "fp32",
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.int32: "i32",
+    torch.int64: "i64",
+}
+
+
+@dataclass(frozen=True)
+class KernelLaunch:
+    """Everything needed to launch (or compile) one kernel.
+
+    ``args`` holds the runtime arguments in the kernel's parameter order; ``constexprs``
+    the compile-time constants that follow them.
+    """
+
+    kernel: Any  # triton JITFunction, or InterpretedFunction under TRITON_INTERPRET=1
+    grid: tuple[int, ...]
+    args: dict[str, Any]
+    constexprs: dict[str, int | bool] = field(default_factory=dict)
+    num_warps: int = 4
+
+    def run(self) -> None:
+        if any(n == 0 for n in self.grid):
+            return
+        self.kernel[self.grid](**self.args, **self.constexprs, num_warps=self.num_warps)
+
+    def ast_source(self) -> ASTSource:
+        """This launch as ``triton.compile`` input, specialised the way ``@triton.jit``
+        specialises a real launch: integer arguments equal to 1 become constants, and
+        tensors (device allocations are 16-byte aligned) and integers divisible by 16 are
+        marked ``tt.divisibility=16``, which lets Triton vectorise loads."""
+        signature: dict[str, str] = {}
+        constexprs: dict[str, Any] = {}
+        attrs: dict[tuple[int, ...], list[list[Any]]] = {}
+        for index, (name, value) in enumerate(self.args.items()):
+            if _is_int(value) and value == 1:
+                signature[name] = "constexpr"
+                constexprs[name] = 1
+                continue
+            signature[name] = _triton_type(value)
+            if isinstance(value, torch.Tensor) or (_is_int(value) and value % 16 == 0):
+                attrs[(index,)] = [["tt.divisibility", 16]]
+        signature.update({name: "constexpr" for name in self.constexprs})
+        constexprs.update(self.constexprs)
+        return ASTSource(fn=self.kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _triton_type(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + _TRITON_DTYPE_NAMES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for kernel argument {value!r}")
+
+
+def interpreting() -> bool:
+    """True when triton runs kernels through its CPU interpreter (TRITON_INTERPRET=1)."""
+    return bool(triton.knobs.runtime.interpret)
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(n, 1))
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+def _require_dim(t: torch.Tensor, ndim: int, name: str) -> None:
+    _require(t.dim() == ndim, f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+
+
+def _require_dtype(t: torch.Tensor, dtypes: tuple[torch.dtype, ...], name: str) -> None:
+    _require(t.dtype in dtypes, f"{name} has dtype {t.dtype}; expected one of {dtypes}")
+
+
+def _require_unit_last_stride(t: torch.Tensor, name: str) -> None:
+    _require(t.shape[-1] <= 1 or t.stride(-1) == 1, f"{name} must be contiguous in its last dim")
+
+
+def _require_launchable(*tensors: torch.Tensor) -> None:
+    """All tensors on one device, and a CUDA one unless the interpreter runs the kernels."""
+    devices = {t.device for t in tensors}
+    _require(len(devices) == 1, f"tensors are on different devices: {sorted(map(str, devices))}")
+    device = next(iter(devices))
+    _require(
+        interpreting() or device.type == "cuda",
+        f"Triton kernels need CUDA tensors (got {device}); set TRITON_INTERPRET=1 "
+        "before importing triton to run them on CPU",
+    )
+
+
+# ---------------------------------------------------------------- reshape_and_cache
+
+
+def _check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    _require_dim(key_cache, 4, "key_cache")
+    _require(
+        key_cache.shape == value_cache.shape,
+        f"key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} differ",
+    )
+    _require_dtype(key_cache, _FLOAT_DTYPES, "key_cache")
+    _require_dtype(value_cache, _FLOAT_DTYPES, "value_cache")
+    _require_unit_last_stride(key_cache, "key_cache")
+    _require_unit_last_stride(value_cache, "value_cache")
+
+
+def plan_reshape_and_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens]; -1 marks a padding token
+) -> KernelLaunch:
+    _require_dim(key, 3, "key")
+    _require(
+        key.shape == value.shape, f"key {tuple(key.shape)} and value {tuple(value.shape)} differ"
+    )
+    _check_cache_pair(key_cache, value_cache)
+    num_tokens, num_kv_heads, head_dim = key.shape
+    _require(
+        tuple(key_cache.shape[2:]) == (num_kv_heads, head_dim),
+        f"cache heads/dim {tuple(key_cache.shape[2:])} != key's {(num_kv_heads, head_dim)}",
+    )
+    _require_dtype(key, _FLOAT_DTYPES, "key")
+    _require_dtype(value, _FLOAT_DTYPES, "value")
+    _require_unit_last_stride(key, "key")
+    _require_unit_last_stride(value, "value")
+    _require(
+        slot_mapping.shape == (num_tokens,),
+        f"slot_mapping must have shape ({num_tokens},), got {tuple(slot_mapping.shape)}",
+    )
+    _require_dtype(slot_mapping, _INDEX_DTYPES, "slot_mapping")
+    args = {
+        "key_ptr": key,
+        "value_ptr": value,
+        "key_cache_ptr": key_cache,
+        "value_cache_ptr": value_cache,
+        "slot_mapping_ptr": slot_mapping,
+        "stride_k_tok": key.stride(0),
+        "stride_k_head": key.stride(1),
+        "stride_v_tok": value.stride(0),
+        "stride_v_head": value.stride(1),
+        "stride_kc_block": key_cache.stride(0),
+        "stride_kc_row": key_cache.stride(1),
+        "stride_kc_head": key_cache.stride(2),
+        "stride_vc_block": value_cache.stride(0),
+        "stride_vc_row": value_cache.stride(1),
+        "stride_vc_head": value_cache.stride(2),
+    }
+    constexprs = {
+        "NUM_KV_HEADS": num_kv_heads,
+        "HEADS_P": _pow2(num_kv_heads),
+        "HEAD_DIM": head_dim,
+        "HEAD_P": _pow2(head_dim),
+        "BLOCK_SIZE": key_cache.shape[1],
+    }
+    return KernelLaunch(reshape_and_cache_kernel, (num_tokens,), args, constexprs, num_warps=4)
+
+
+def reshape_and_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 marks a padding token
+) -> None:
+    """Scatter new K/V rows into their cache slots; slots < 0 are skipped."""
+    launch = plan_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    _require_launchable(key, value, key_cache, value_cache, slot_mapping)
+    launch.run()
+
+
+# ---------------------------------------------------------------- paged_attention
+
+
+@dataclass(frozen=True)
+class AttentionTiles:
+    """Tile sizes of the attention kernel: query rows and keys per step."""
+
+    block_m: int  # query rows per program (tokens x padded group); power of two, >= 16
+    tile_n: int  # keys per inner iteration; power of two, >= 16
+
+
+def default_attention_tiles(
+    num_tokens: int, num_seqs: int, group: int, head_dim: int, compute_f32: bool
+) -> AttentionTiles:
+    """Untuned defaults (no GPU was at hand to tune them): small query tiles for
+    decode-only batches, larger ones when prefill chunks are present."""
+    decode_only = num_tokens <= num_seqs
+    block_m = max(16 if decode_only else 64, _pow2(group))
+    tile_n = 32 if (compute_f32 or head_dim > 128) else 64
+    return AttentionTiles(block_m=block_m, tile_n=tile_n)
+
+
+def _check_attention_inputs(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+) -> None:
+    _require_dim(query, 3, "query")
+    _check_cache_pair(key_cache, value_cache)
+    _require_dtype(query, _FLOAT_DTYPES, "query")
+    _require(
+        key_cache.dtype == query.dtype and value_cache.dtype == query.dtype,
+        f"query ({query.dtype}) and KV cache ({key_cache.dtype}, {value_cache.dtype}) "
+        "dtypes must match",
+    )
+    _require_unit_last_stride(query, "query")
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = key_cache.shape[2]
+    _require(key_cache.shape[3] == head_dim, f"cache head_dim {key_cache.shape[3]} != {head_dim}")
+    _require(
+        num_kv_heads > 0 and num_heads % num_kv_heads == 0,
+        f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}",
+    )
+    _require(head_dim >= 16, f"head_dim {head_dim} < 16 is not supported")
+    _require_dim(block_tables, 2, "block_tables")
+    _require_dim(seq_lens, 1, "seq_lens")
+    num_seqs = seq_lens.shape[0]
+    _require(block_tables.shape[0] == num_seqs, "block_tables needs one row per sequence")
+    _require(
+        query_start_loc.shape == (num_seqs + 1,),
+        f"query_start_loc must have shape ({num_seqs + 1},), got {tuple(query_start_loc.shape)}",
+    )
+    for t, name in ((block_tables, "block_tables"), (query_start_loc, "query_start_loc")):
+        _require_dtype(t, _INDEX_DTYPES, name)
+    _require_dtype(seq_lens, _INDEX_DTYPES, "seq_lens")
+    _require_unit_last_stride(block_tables, "block_tables")
+
+
+def _check_tiles(tiles: AttentionTiles, group: int) -> None:
+    for value, name in ((tiles.block_m, "block_m"), (tiles.tile_n, "tile_n")):
+        _require(value >= 16 and value == _pow2(value), f"{name} must be a power of two >= 16")
+    _require(tiles.block_m >= _pow2(group), f"block_m {tiles.block_m} < query heads per KV head")
+
+
+def plan_paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq]
+    query_start_loc: torch.Tensor,  # [num_seqs + 1]
+    seq_lens: torch.Tensor,  # [num_seqs]
+    scale: float,
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    *,
+    tiles: AttentionTiles | None = None,
+    interpret: bool = False,
+) -> KernelLaunch:
+    """Plan the unified attention kernel; ``interpret`` selects the interpreter-safe
+    float32 path for bfloat16."""
+    _check_attention_inputs(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens)
+    _require(
+        out.shape == query.shape and out.dtype == query.dtype,
+        f"out must match query's shape and dtype, got {tuple(out.shape)} {out.dtype}",
+    )
+    _require_unit_last_stride(out, "out")
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    group = num_heads // num_kv_heads
+    compute_f32 = query.dtype == torch.float32 or (interpret and query.dtype == torch.bfloat16)
+    if tiles is None:
+        tiles = default_attention_tiles(num_tokens, num_seqs, group, head_dim, compute_f32)
+    _check_tiles(tiles, group)
+    group_p = _pow2(group)
+    block_q = tiles.block_m // group_p
+    # Each sequence owns a range of program ids; see kernels/triton_attention.py.
+    num_programs = num_tokens // block_q + num_seqs if num_seqs > 0 else 0
+    args = {
+        "out_ptr": out,
+        "query_ptr": query,
+        "key_cache_ptr": key_cache,
+        "value_cache_ptr": value_cache,
+        "block_tables_ptr": block_tables,
+        "query_start_loc_ptr": query_start_loc,
+        "seq_lens_ptr": seq_lens,
+        "scale": float(scale),
+        "num_seqs": num_seqs,
+        "stride_q_tok": query.stride(0),
+        "stride_q_head": query.stride(1),
+        "stride_o_tok": out.stride(0),
+        "stride_o_head": out.stride(1),
+        "stride_k_block": key_cache.stride(0),
+        "stride_k_row": key_cache.stride(1),
+        "stride_k_head": key_cache.stride(2),
+        "stride_v_block": value_cache.stride(0),
+        "stride_v_row": value_cache.stride(1),
+        "stride_v_head": value_cache.stride(2),
+        "stride_bt_seq": block_tables.stride(0),
+    }
+    constexprs = {
+        "GROUP": group,
+        "GROUP_P": group_p,
+        "BLOCK_M": tiles.block_m,
+        "BLOCK_Q": block_q,
+        "TILE_N": tiles.tile_n,
+        "HEAD_DIM": head_dim,
+        "HEAD_P": _pow2(head_dim),
+        "BLOCK_SIZE": key_cache.shape[1],
+        "COMPUTE_F32": compute_f32,
+    }
+    grid = (num_programs, num_kv_heads)
+    # 8 warps keep large tiles out of register spills on sm_90 (ptxas -v): the fp32
+    # path multiplies on CUDA cores and needs them from 2048 accumulator elements on.
+    tile_elems = tiles.block_m * _pow2(head_dim)
+    num_warps = 8 if tile_elems >= (2048 if compute_f32 else 8192) else 4
+    return KernelLaunch(paged_attention_kernel, grid, args, constexprs, num_warps=num_warps)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    scale: float,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its cached prefix and itself.
+
+    One kernel launch for decode tokens and prefill chunks; softmax in float32.
+    """
+    if out is None:
+        out = torch.empty_like(query)
+    launch = plan_paged_attention(
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale,
+        out,
+        interpret=interpreting(),
+    )
+    _require_launchable(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out)
+    launch.run()
+    return out
+
+
+# ---------------------------------------------------------------- rms_norm
+
+
+def plan_rms_norm(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None,  # [num_tokens, hidden]
+    out: torch.Tensor,  # [num_tokens, hidden], written
+    new_residual: torch.Tensor | None,  # [num_tokens, hidden], written iff residual is given
+) -> KernelLaunch:
+    _require_dim(x, 2, "x")
+    _require_dtype(x, _FLOAT_DTYPES, "x")
+    num_tokens, hidden = x.shape
+    _require(weight.shape == (hidden,), f"weight must have shape ({hidden},)")
+    _require_dtype(weight, _FLOAT_DTYPES, "weight")
+    _require(out.shape == x.shape, "out must have x's shape")
+    has_residual = residual is not None
+    _require(
+        (new_residual is not None) == has_residual,
+        "new_residual must be given exactly when residual is",
+    )
+    row_tensors = [(x, "x"), (out, "out")]
+    if residual is not None and new_residual is not None:
+        _require(residual.shape == x.shape, "residual must have x's shape")
+        _require(new_residual.shape == x.shape, "new_residual must have x's shape")
+        row_tensors += [(residual, "residual"), (new_residual, "new_residual")]
+    for t, name in row_tensors:
+        _require_dtype(t, _FLOAT_DTYPES, name)
+        _require_unit_last_stride(t, name)
+    _require(weight.stride(0) == 1 or hidden <= 1, "weight must be contiguous")
+    # Without a residual the kernel never touches these two; pass x to keep one signature.
+    res = residual if residual is not None else x
+    new_res = new_residual if new_residual is not None else out
+    args = {
+        "out_ptr": out,
+        "new_residual_ptr": new_res,
+        "x_ptr": x,
+        "residual_ptr": res,
+        "weight_ptr": weight,
+        "hidden": hidden,
+        "eps": float(eps),
+        "stride_out": out.stride(0),
+        "stride_new_residual": new_res.stride(0),
+        "stride_x": x.stride(0),
+        "stride_residual": res.stride(0),
+    }
+    block = _pow2(hidden)
+    constexprs = {"HAS_RESIDUAL": has_residual, "BLOCK": block}
+    num_warps = 1 if block <= 512 else (4 if block <= 4096 else 8)
+    return KernelLaunch(rms_norm_kernel, (num_tokens,), args, constexprs, num_warps=num_warps)
+
+
+def rms_norm(
+    x: torch.Tensor,  # [num_tokens, hidden]
+    weight: torch.Tensor,  # [hidden]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [num_tokens, hidden]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """RMSNorm, fused with the residual add when ``residual`` is given.
+
+    Returns ``(normed, new_residual)`` where ``new_residual = x + residual`` (or None
+    when no residual was passed). Computed in float32, returned in x's dtype.
+    """
+    out = torch.empty_like(x)
+    new_residual = torch.empty_like(x) if residual is not None else None
+    launch = plan_rms_norm(x, weight, eps, residual, out, new_residual)
+    tensors = [x, weight, out] + ([residual] if residual is not None else [])
+    _require_launchable(*tensors)
+    launch.run()
+    return out, new_residual
+
+
+# ---------------------------------------------------------------- rotary_embedding
+
+
+def plan_rotary_embedding(
+    positions: torch.Tensor,  # [num_tokens]
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim]: cos in [:d/2], sin in [d/2:]
+) -> KernelLaunch:
+    _require_dim(query, 3, "query")
+    _require_dim(key, 3, "key")
+    _require_dim(cos_sin_cache, 2, "cos_sin_cache")
+    num_tokens, num_heads, head_dim = query.shape
+    _require(
+        key.shape[0] == num_tokens and key.shape[2] == head_dim,
+        f"key {tuple(key.shape)} does not match query {tuple(query.shape)}",
+    )
+    _require(
+        cos_sin_cache.shape[1] == head_dim and head_dim % 2 == 0,
+        f"cos_sin_cache width {cos_sin_cache.shape[1]} must equal the even head_dim {head_dim}",
+    )
+    _require(positions.shape == (num_tokens,), f"positions must have shape ({num_tokens},)")
+    _require_dtype(positions, _INDEX_DTYPES, "positions")
+    for t, name in ((query, "query"), (key, "key"), (cos_sin_cache, "cos_sin_cache")):
+        _require_dtype(t, _FLOAT_DTYPES, name)
+        _require_unit_last_stride(t, name)
+    num_kv_heads = key.shape[1]
+    half = head_dim // 2
+    args = {
+        "query_ptr": query,
+        "key_ptr": key,
+        "cos_sin_ptr": cos_sin_cache,
+        "positions_ptr": positions,
+        "stride_q_tok": query.stride(0),
+        "stride_q_head": query.stride(1),
+        "stride_k_tok": key.stride(0),
+        "stride_k_head": key.stride(1),
+        "stride_cos_sin": cos_sin_cache.stride(0),
+    }
+    constexprs = {
+        "NUM_HEADS": num_heads,
+        "NUM_KV_HEADS": num_kv_heads,
+        "HALF": half,
+        "HALF_P": _pow2(half),
+        "HEADS_P": _pow2(num_heads),
+        "KV_HEADS_P": _pow2(num_kv_heads),
+    }
+    return KernelLaunch(rotary_embedding_kernel, (num_tokens,), args, constexprs, num_warps=4)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [num_tokens] int64
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim]: cos in [:d/2], sin in [d/2:]
+) -> None:
+    """Neox-style rotary embedding (rotate halves), applied in place to query and key."""
+    launch = plan_rotary_embedding(positions, query, key, cos_sin_cache)
+    _require_launchable(positions, query, key, cos_sin_cache)
+    launch.run()

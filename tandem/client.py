@@ -1,0 +1,61 @@
+"""``tandem generate``: stream a completion from a running frontend to the terminal."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import grpc
+
+from tandem.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
+
+
+def add_cli(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="Stream text from a running frontend.")
+    p.add_argument("prompt")
+    p.add_argument("--target", default=None, help="Frontend HOST:PORT (default 127.0.0.1:--port).")
+    p.add_argument("--port", type=int, default=int(os.environ.get("TANDEM_FRONTEND_PORT", "50051")))
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--chat", action="store_true", help="Send the prompt as one user chat message.")
+    p.add_argument("--timeout", type=float, default=300.0)
+    p.set_defaults(handler=run_cli)
+
+
+def build_request(args: argparse.Namespace) -> frontend_pb2.GenerateRequest:
+    params = common_pb2.SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        output_kind=common_pb2.OUTPUT_KIND_DELTA,
+    )
+    if args.seed is not None:
+        params.seed = args.seed
+    req = frontend_pb2.GenerateRequest(sampling_params=params)
+    if args.chat:
+        req.chat.messages.add(role="user", content=args.prompt)
+    else:
+        req.prompt = args.prompt
+    return req
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    target = args.target or f"127.0.0.1:{args.port}"
+    with grpc.insecure_channel(target) as channel:
+        stub = frontend_pb2_grpc.GenerationStub(channel)
+        try:
+            for resp in stub.Generate(build_request(args), timeout=args.timeout):
+                for out in resp.outputs:
+                    sys.stdout.write(out.text)
+                sys.stdout.flush()
+                if resp.finished:
+                    reason = resp.outputs[0].finish_reason if resp.outputs else ""
+                    sys.stdout.write(
+                        f"\n[{reason}; {resp.usage.prompt_tokens} prompt + "
+                        f"{resp.usage.completion_tokens} completion tokens]\n"
+                    )
+        except grpc.RpcError as exc:
+            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    return 0

@@ -1,0 +1,184 @@
+"""InputProcessor: prompts, token ids and chat messages into validated engine requests."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from engine_service.sampling_params import InvalidRequestError, SamplingParams
+from frontend_service.input_processor import InputProcessor
+from tests.test_detokenizer import build_test_tokenizer, random_text
+
+MAX_MODEL_LEN = 64
+MAX_LOGPROBS = 5
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return build_test_tokenizer()
+
+
+@pytest.fixture
+def rng() -> random.Random:
+    seed = random.SystemRandom().randrange(2**32)
+    print(f"random seed {seed}")  # shown by pytest on failure
+    return random.Random(seed)
+
+
+@pytest.fixture
+def processor(tokenizer: Any) -> InputProcessor:
+    return InputProcessor(
+        tokenizer, MAX_MODEL_LEN, len(tokenizer), MAX_LOGPROBS, tokenizer.eos_token_id
+    )
+
+
+def test_text_prompt_is_tokenized_and_max_tokens_resolved(
+    processor: InputProcessor, tokenizer: Any, rng: random.Random
+) -> None:
+    prompt = random_text(rng, rng.randint(1, 10))
+    params = SamplingParams(max_tokens=None, temperature=0.5)
+    processed = processor.process("r1", params, prompt=prompt, priority=3, cache_salt="s")
+    ids = tokenizer.encode(prompt)
+    assert processed.prompt == prompt and processed.prompt_token_ids == ids
+    (request,) = processed.engine_requests
+    assert request.request_id == "r1" and request.external_req_id == "r1"
+    assert request.prompt_token_ids == ids
+    assert request.eos_token_id == tokenizer.eos_token_id
+    assert (request.priority, request.cache_salt) == (3, "s")
+    assert request.sampling_params.max_tokens == MAX_MODEL_LEN - len(ids)
+    assert request.sampling_params.temperature == 0.5
+    assert params.max_tokens is None  # the caller's params are not modified
+
+
+def test_max_tokens_beyond_the_context_is_kept_for_the_engine_to_cap(
+    processor: InputProcessor,
+) -> None:
+    processed = processor.process("r", SamplingParams(max_tokens=10_000), prompt="hi")
+    assert processed.engine_requests[0].sampling_params.max_tokens == 10_000
+
+
+def test_token_ids_prompt_passes_through(processor: InputProcessor, rng: random.Random) -> None:
+    ids = [rng.randrange(processor.vocab_size) for _ in range(rng.randint(1, MAX_MODEL_LEN - 1))]
+    processed = processor.process("r", prompt_token_ids=ids)
+    assert processed.prompt is None
+    assert processed.engine_requests[0].prompt_token_ids == ids
+
+
+def test_chat_messages_render_with_template_and_no_doubled_bos(
+    processor: InputProcessor, tokenizer: Any
+) -> None:
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "你好 😀"},
+    ]
+    processed = processor.process("c", messages=messages)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert processed.prompt == text and text.endswith("assistant:")
+    ids = processed.prompt_token_ids
+    assert ids == tokenizer.encode(text, add_special_tokens=False)
+    # The template writes one <s> per turn plus one for the generation prompt.
+    assert ids.count(tokenizer.bos_token_id) == len(messages) + 1
+    assert ids[:2] != [tokenizer.bos_token_id] * 2
+
+
+def test_n_fans_out_into_seeded_children(processor: InputProcessor) -> None:
+    processed = processor.process("p", SamplingParams(n=3, seed=7), prompt="hello")
+    requests = processed.engine_requests
+    assert [r.request_id for r in requests] == ["0_p", "1_p", "2_p"]
+    assert [r.sampling_params.seed for r in requests] == [7, 8, 9]
+    assert {r.sampling_params.n for r in requests} == {1}
+    assert {r.external_req_id for r in requests} == {"p"}
+    assert processed.parent.n == 3 and processed.sampling_params.n == 3
+    # Each child owns its prompt list: the engine may not share mutable state.
+    assert requests[0].prompt_token_ids is not requests[1].prompt_token_ids
+
+
+def _error(processor: InputProcessor, **kwargs: Any) -> InvalidRequestError:
+    request_id = kwargs.pop("request_id", "r")
+    params = kwargs.pop("params", None)
+    with pytest.raises(InvalidRequestError) as err:
+        processor.process(request_id, params, **kwargs)
+    return err.value
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"prompt": ""}, "prompt"),
+        ({"prompt": 5}, "prompt"),
+        ({}, "prompt"),
+        ({"prompt": "a", "prompt_token_ids": [1]}, "prompt"),
+        ({"prompt": "word " * MAX_MODEL_LEN}, "prompt"),
+        ({"prompt_token_ids": []}, "prompt_token_ids"),
+        ({"prompt_token_ids": "abc"}, "prompt_token_ids"),
+        ({"prompt_token_ids": [1] * MAX_MODEL_LEN}, "prompt_token_ids"),
+        ({"prompt_token_ids": [1, 2, 3, 10**6]}, "prompt_token_ids[3]"),
+        ({"prompt_token_ids": [1, -1]}, "prompt_token_ids[1]"),
+        ({"prompt_token_ids": [1, True]}, "prompt_token_ids[1]"),
+        ({"prompt_token_ids": [1.5]}, "prompt_token_ids[0]"),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": []}, "messages"),
+        ({"messages": ["hi"]}, "messages[0]"),
+        (
+            {"messages": [{"role": "user", "content": "a"}, {"role": "wizard", "content": "b"}]},
+            "messages[1].role",
+        ),
+        ({"messages": [{"content": "b"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+        ({"messages": [{"role": "user", "content": "x " * MAX_MODEL_LEN}]}, "messages"),
+        ({"prompt": "hi", "request_id": ""}, "request_id"),
+        ({"prompt": "hi", "priority": "high"}, "priority"),
+        ({"prompt": "hi", "params": SamplingParams(n=0)}, "n"),
+        ({"prompt": "hi", "params": SamplingParams(temperature=-1.0)}, "temperature"),
+        ({"prompt": "hi", "params": SamplingParams(max_tokens=0)}, "max_tokens"),
+        ({"prompt": "hi", "params": SamplingParams(top_p=0.0)}, "top_p"),
+        ({"prompt": "hi", "params": SamplingParams(logprobs=MAX_LOGPROBS + 1)}, "logprobs"),
+        ({"prompt": "hi", "params": SamplingParams(stop_token_ids=[10**6])}, "stop_token_ids"),
+        ({"prompt": "hi", "params": SamplingParams(stop=[""])}, "stop"),
+        (
+            {"prompt": "hi", "params": SamplingParams(max_tokens=None, min_tokens=MAX_MODEL_LEN)},
+            "min_tokens",
+        ),
+        ({"prompt": "hi", "params": {"temperature": 1.0}}, "sampling_params"),
+    ],
+)
+def test_each_invalid_input_names_its_field(
+    processor: InputProcessor, kwargs: dict[str, Any], field: str
+) -> None:
+    assert _error(processor, **kwargs).field == field
+
+
+def test_random_out_of_vocab_position_is_named(
+    processor: InputProcessor, rng: random.Random
+) -> None:
+    ids = [rng.randrange(processor.vocab_size) for _ in range(20)]
+    bad = rng.randrange(len(ids))
+    ids[bad] = processor.vocab_size + rng.randrange(1000)
+    error = _error(processor, prompt_token_ids=ids)
+    assert error.field == f"prompt_token_ids[{bad}]" and error.value == ids[bad]
+
+
+def test_chat_without_template_is_rejected(tokenizer: Any) -> None:
+    no_template = build_test_tokenizer()
+    no_template.chat_template = None
+    processor = InputProcessor(no_template, MAX_MODEL_LEN, len(tokenizer), MAX_LOGPROBS, 1)
+    error = _error(processor, messages=[{"role": "user", "content": "hi"}])
+    assert error.field == "messages"
+
+
+def test_without_tokenizer_only_token_ids_are_accepted() -> None:
+    processor = InputProcessor(None, MAX_MODEL_LEN, 100, MAX_LOGPROBS, None)
+    assert processor.process("r", prompt_token_ids=[1, 2]).prompt_token_ids == [1, 2]
+    assert _error(processor, prompt="hi").field == "prompt"
+    assert _error(processor, prompt_token_ids=[1], params=SamplingParams(stop=["x"])).field == (
+        "stop"
+    )
+
+
+def test_constructor_rejects_bad_limits(tokenizer: Any) -> None:
+    with pytest.raises(ValueError):
+        InputProcessor(tokenizer, 0, 100, 5, None)
+    with pytest.raises(ValueError):
+        InputProcessor(tokenizer, 10, 100, -1, None)

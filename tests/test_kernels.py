@@ -1,0 +1,791 @@
+"""Triton kernels against the PyTorch reference, and their compilation for a GPU target.
+
+Why the kernels run in worker processes: whether triton interprets a kernel is decided
+from ``TRITON_INTERPRET`` when the kernel is decorated, i.e. when ``kernels.triton_*`` is
+first imported. Other test modules in this pytest process may import triton (transformers
+does) or ``kernels.triton_ops`` before this module runs, and setting the variable here
+would leak into their tests. So each mode gets a worker process whose environment is
+fixed before Python starts: one with ``TRITON_INTERPRET=1`` that checks numerics on CPU,
+and one without it that compiles kernels for sm_90 down to cubin. Each test sends the
+worker one case (a ``case_*`` function of this module, by name) and gets back one JSON
+line. This process never imports triton.
+
+Inputs are fresh random values every run; the seed is in every failure message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+_REPLY_PREFIX = "@@kernel-worker "
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# (atol, rtol) per dtype. bf16 allows ~2 ulp: besides rounding in the reference, the
+# interpreter truncates (instead of rounding) fp32 -> bf16 casts.
+_TOL = {"float32": (2e-5, 2e-5), "float16": (3e-3, 3e-3), "bfloat16": (1.6e-2, 1.6e-2)}
+# Shared memory one block may use on sm_90 (227 KiB).
+_SM90_MAX_SHARED = 232448
+
+
+# ------------------------------------------------------------------ worker plumbing
+
+
+class KernelWorker:
+    """A child Python that runs ``case_*`` functions of this module on request."""
+
+    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+        self._env = env
+        self._log_path = log_path
+        self._proc: subprocess.Popen[str] | None = None
+
+    def _start(self) -> subprocess.Popen[str]:
+        log = self._log_path.open("a")
+        code = "import tests.test_kernels as t; t.serve()"
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code],
+            cwd=REPO,
+            env=self._env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
+        log.close()
+        return proc
+
+    def call(self, case: str, **params: Any) -> Any:
+        """Run ``case_<case>(**params)`` in the worker; fail the test if it raised."""
+        if self._proc is None or self._proc.poll() is not None:
+            self._proc = self._start()
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._proc.stdin.write(json.dumps({"case": case, "params": params}) + "\n")
+        self._proc.stdin.flush()
+        for line in self._proc.stdout:
+            if line.startswith(_REPLY_PREFIX):
+                reply = json.loads(line[len(_REPLY_PREFIX) :])
+                if not reply["ok"]:
+                    pytest.fail(f"{case}({params}) failed in the worker:\n{reply['error']}")
+                return reply["result"]
+        tail = self._log_path.read_text()[-4000:]
+        pytest.fail(f"kernel worker exited during {case}({params}); its log ends:\n{tail}")
+
+    def close(self) -> None:
+        if self._proc is None:
+            return
+        assert self._proc.stdin is not None
+        self._proc.stdin.close()
+        try:
+            self._proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+
+def serve() -> None:
+    """Worker main loop: one JSON request per stdin line, one reply line per request."""
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # anything else printed goes to the log, not into the reply stream
+    torch.set_num_threads(1)
+    for line in sys.stdin:
+        request = json.loads(line)
+        try:
+            result = _CASES[request["case"]](**request["params"])
+            reply = {"ok": True, "result": result}
+        except Exception:
+            reply = {"ok": False, "error": traceback.format_exc()}
+        replies.write(_REPLY_PREFIX + json.dumps(reply) + "\n")
+
+
+def _worker_env(interpret: bool, cache_dir: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    else:
+        env["TRITON_DUMP_PTXAS_LOG"] = "1"  # register/spill report, checked below
+    env["TRITON_CACHE_DIR"] = str(cache_dir)  # compile for real, not from an old cache
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+@pytest.fixture(scope="module")
+def interp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KernelWorker]:
+    tmp = tmp_path_factory.mktemp("triton-interp")
+    worker = KernelWorker(_worker_env(True, tmp / "cache"), tmp / "worker.log")
+    yield worker
+    worker.close()
+
+
+@pytest.fixture(scope="module")
+def gpu_compiler(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KernelWorker]:
+    tmp = tmp_path_factory.mktemp("triton-compile")
+    worker = KernelWorker(_worker_env(False, tmp / "cache"), tmp / "worker.log")
+    yield worker
+    worker.close()
+
+
+def _fresh_seed() -> int:
+    return random.SystemRandom().randrange(2**31)
+
+
+# ------------------------------------------------------------------ input builders
+# These run in the workers.
+
+
+def _check_close(actual: torch.Tensor, expected: torch.Tensor, dtype: str, what: str) -> float:
+    atol, rtol = _TOL[dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol, msg=what)
+    return float((actual.float() - expected.float()).abs().max())
+
+
+class Guarded:
+    """A tensor that is a view into the middle of a larger buffer, with random guard
+    regions on both sides that an out-of-bounds write would change."""
+
+    def __init__(self, shape: tuple[int, ...], fill: torch.Tensor, gen: torch.Generator) -> None:
+        numel = fill.numel()
+        self.guard = max(4096, numel // max(shape[0], 1))  # at least one outer row
+        head = torch.randn(self.guard, generator=gen).to(fill.dtype)
+        tail = torch.randn(self.guard, generator=gen).to(fill.dtype)
+        self.buffer = torch.cat([head, fill.reshape(-1), tail])
+        self._head, self._tail = head, tail
+        self.view = self.buffer[self.guard : self.guard + numel].view(shape)
+
+    def check_guards(self, what: str) -> None:
+        assert torch.equal(self.buffer[: self.guard], self._head), f"{what}: wrote before start"
+        assert torch.equal(self.buffer[-self.guard :], self._tail), f"{what}: wrote past end"
+
+
+def _paged_batch(
+    gen: torch.Generator,
+    dtype: torch.dtype,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    query_lens: list[int],
+    prefix_lens: list[int],
+) -> dict[str, torch.Tensor]:
+    """A random flattened batch over a shuffled paged cache.
+
+    Every cache row that no sequence owns (spare blocks, the tail of each last block)
+    holds NaN, and block tables are padded with a NaN block: reading anything outside
+    a sequence's context poisons its output.
+    """
+    seq_lens = [q + p for q, p in zip(query_lens, prefix_lens)]
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.full(shape, float("nan"), dtype=dtype)
+    value_cache = torch.full(shape, float("nan"), dtype=dtype)
+    physical = torch.randperm(num_blocks, generator=gen)
+    nan_block = int(physical[-1])
+    max_blocks = max(blocks_per_seq) + 2
+    block_tables = torch.full((len(seq_lens), max_blocks), nan_block, dtype=torch.int32)
+    next_block = 0
+    for s, seq_len in enumerate(seq_lens):
+        for j in range(blocks_per_seq[s]):
+            b = int(physical[next_block])
+            next_block += 1
+            block_tables[s, j] = b
+            rows = min(block_size, seq_len - j * block_size)
+            key_cache[b, :rows] = torch.randn(rows, num_kv_heads, head_dim, generator=gen)
+            value_cache[b, :rows] = torch.randn(rows, num_kv_heads, head_dim, generator=gen)
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    query = torch.randn(starts[-1], num_heads, head_dim, generator=gen).to(dtype)
+    return {
+        "query": query,
+        "key_cache": key_cache,
+        "value_cache": value_cache,
+        "block_tables": block_tables,
+        "query_start_loc": torch.tensor(starts, dtype=torch.int32),
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
+    }
+
+
+def _reference_attention_per_seq(batch: dict[str, torch.Tensor], scale: float) -> torch.Tensor:
+    """The reference, one sequence at a time (so it never reads another one's padding)."""
+    from kernels import reference
+
+    starts = batch["query_start_loc"].tolist()
+    out = torch.zeros_like(batch["query"])
+    for s in range(batch["seq_lens"].shape[0]):
+        lo, hi = starts[s], starts[s + 1]
+        if hi == lo:
+            continue
+        out[lo:hi] = reference.paged_attention(
+            batch["query"][lo:hi],
+            batch["key_cache"],
+            batch["value_cache"],
+            batch["block_tables"][s : s + 1],
+            torch.tensor([0, hi - lo], dtype=torch.int32),
+            batch["seq_lens"][s : s + 1],
+            scale,
+        )
+    return out
+
+
+# ------------------------------------------------------------------ cases (run in workers)
+
+
+def case_interpreter_is_on() -> bool:
+    import triton
+
+    from kernels import triton_ops
+
+    return bool(triton.knobs.runtime.interpret) and triton_ops.interpreting()
+
+
+def case_paged_attention(
+    seed: int,
+    dtype: str,
+    head_dim: int,
+    block_size: int,
+    group: int,
+    num_kv_heads: int,
+    query_lens: list[int],
+    prefix_lens: list[int],
+    block_m: int | None = None,
+    tile_n: int | None = None,
+) -> float:
+    from kernels import triton_ops
+
+    gen = torch.Generator().manual_seed(seed)
+    num_heads = group * num_kv_heads
+    batch = _paged_batch(
+        gen, _DTYPES[dtype], num_heads, num_kv_heads, head_dim, block_size, query_lens, prefix_lens
+    )
+    scale = head_dim**-0.5
+    out = Guarded(batch["query"].shape, torch.full_like(batch["query"], float("nan")), gen)
+    tiles = None if block_m is None else triton_ops.AttentionTiles(block_m, tile_n or 32)
+    launch = triton_ops.plan_paged_attention(
+        **batch, scale=scale, out=out.view, tiles=tiles, interpret=True
+    )
+    launch.run()
+    out.check_guards(f"paged_attention out, seed={seed}")
+    expected = _reference_attention_per_seq(batch, scale)
+    return _check_close(out.view, expected, dtype, f"paged_attention seed={seed}")
+
+
+def case_paged_attention_public_api(seed: int) -> float:
+    """The public entry point (default tiles, no ``out``) on a mixed batch."""
+    from kernels import dispatch
+
+    gen = torch.Generator().manual_seed(seed)
+    batch = _paged_batch(gen, torch.float16, 8, 2, 64, 16, [1, 23, 1], [40, 9, 0])
+    ops = dispatch.get_ops("triton")
+    out = ops.paged_attention(**batch, scale=0.125)
+    expected = _reference_attention_per_seq(batch, 0.125)
+    return _check_close(out, expected, "float16", f"public paged_attention seed={seed}")
+
+
+def case_reshape_and_cache(
+    seed: int,
+    dtype: str,
+    cache_dtype: str,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    num_tokens: int,
+) -> int:
+    from kernels import reference, triton_ops
+
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = num_tokens // block_size + 3
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = Guarded(shape, torch.randn(shape, generator=gen).to(_DTYPES[cache_dtype]), gen)
+    value_cache = Guarded(shape, torch.randn(shape, generator=gen).to(_DTYPES[cache_dtype]), gen)
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(_DTYPES[dtype])
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(_DTYPES[dtype])
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    padding = torch.rand(num_tokens, generator=gen) < 0.2
+    padding[0] = True
+    slots[padding] = -1
+    expected_k, expected_v = key_cache.view.clone(), value_cache.view.clone()
+    reference.reshape_and_cache(key, value, expected_k, expected_v, slots)
+    triton_ops.reshape_and_cache(key, value, key_cache.view, value_cache.view, slots)
+    key_cache.check_guards(f"key cache, seed={seed}")
+    value_cache.check_guards(f"value cache, seed={seed}")
+    # A copy is exact; skipped slots must keep their old (random) contents.
+    assert torch.equal(key_cache.view, expected_k), f"key cache differs, seed={seed}"
+    assert torch.equal(value_cache.view, expected_v), f"value cache differs, seed={seed}"
+    return int((~padding).sum())
+
+
+def case_rms_norm(
+    seed: int, dtype: str, hidden: int, num_tokens: int, with_residual: bool, row_pad: int
+) -> float:
+    from kernels import reference, triton_ops
+
+    gen = torch.Generator().manual_seed(seed)
+    torch_dtype = _DTYPES[dtype]
+    # row_pad > 0 makes x a strided view, as a slice of a wider activation would be.
+    wide = torch.randn(num_tokens, hidden + row_pad, generator=gen).mul(3).to(torch_dtype)
+    x = wide[:, :hidden]
+    weight = torch.randn(hidden, generator=gen).to(torch_dtype)
+    residual = torch.randn(num_tokens, hidden, generator=gen).to(torch_dtype)
+    residual = residual if with_residual else None
+    out = torch.full((num_tokens, hidden), float("nan"), dtype=torch_dtype)
+    new_res = torch.full_like(out, float("nan")) if with_residual else None
+    triton_ops.plan_rms_norm(x, weight, 1e-5, residual, out, new_res).run()
+    expected, expected_res = reference.rms_norm(x, weight, 1e-5, residual)
+    err = _check_close(out, expected, dtype, f"rms_norm out, seed={seed}")
+    if expected_res is not None:
+        assert new_res is not None
+        if dtype == "bfloat16":  # the interpreter truncates fp32 -> bf16; the reference rounds
+            _check_close(new_res, expected_res, dtype, f"rms_norm residual, seed={seed}")
+        else:
+            assert torch.equal(new_res, expected_res), f"rms_norm residual, seed={seed}"
+    public_out, public_res = triton_ops.rms_norm(x, weight, 1e-5, residual)
+    assert torch.equal(public_out, out), "public rms_norm differs from the planned launch"
+    assert (public_res is None) == (residual is None)
+    return err
+
+
+def _cos_sin_cache(max_position: int, head_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    angles = torch.outer(torch.arange(max_position).float(), inv_freq)  # [max_pos, d/2]
+    return torch.cat([angles.cos(), angles.sin()], dim=-1).to(dtype)
+
+
+def case_rotary_embedding(
+    seed: int,
+    dtype: str,
+    cache_dtype: str,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    num_tokens: int,
+) -> float:
+    from kernels import reference, triton_ops
+
+    gen = torch.Generator().manual_seed(seed)
+    torch_dtype = _DTYPES[dtype]
+    q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
+    # q and k are strided views into one fused qkv activation, as the model produces them.
+    qkv = torch.randn(num_tokens, q_width + 2 * kv_width, generator=gen).to(torch_dtype)
+    expected = qkv.clone()
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen)
+    cache = _cos_sin_cache(4096, head_dim, _DTYPES[cache_dtype])
+
+    def views(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = t[:, :q_width].view(num_tokens, num_heads, head_dim)
+        k = t[:, q_width : q_width + kv_width].view(num_tokens, num_kv_heads, head_dim)
+        return q, k
+
+    reference.rotary_embedding(positions, *views(expected), cache)
+    triton_ops.rotary_embedding(positions, *views(qkv), cache)
+    assert torch.equal(qkv[:, q_width + kv_width :], expected[:, q_width + kv_width :]), (
+        "rotary_embedding wrote into the value part"
+    )
+    return _check_close(qkv, expected, dtype, f"rotary_embedding seed={seed}")
+
+
+def case_rejects_bad_input(op: str) -> str:
+    from kernels import triton_ops
+
+    f16 = torch.float16
+    cache = torch.randn(4, 16, 2, 64).to(f16)
+    qsl = torch.tensor([0, 1], dtype=torch.int32)
+    lens = torch.tensor([5], dtype=torch.int32)
+    table = torch.zeros(1, 2, dtype=torch.int32)
+    calls: dict[str, Callable[[], Any]] = {
+        "gqa_ratio": lambda: triton_ops.paged_attention(
+            torch.randn(1, 3, 64).to(f16), cache, cache, table, qsl, lens, 0.1
+        ),
+        "dtype_mismatch": lambda: triton_ops.paged_attention(
+            torch.randn(1, 4, 64), cache, cache, table, qsl, lens, 0.1
+        ),
+        "query_start_loc_len": lambda: triton_ops.paged_attention(
+            torch.randn(1, 4, 64).to(f16), cache, cache, table, qsl[:1], lens, 0.1
+        ),
+        "slot_mapping_len": lambda: triton_ops.reshape_and_cache(
+            torch.randn(3, 2, 64).to(f16),
+            torch.randn(3, 2, 64).to(f16),
+            cache,
+            cache,
+            torch.zeros(2, dtype=torch.int64),
+        ),
+        "rms_weight": lambda: triton_ops.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6),
+        "rotary_width": lambda: triton_ops.rotary_embedding(
+            torch.zeros(2, dtype=torch.int64),
+            torch.randn(2, 4, 64),
+            torch.randn(2, 2, 64),
+            torch.randn(10, 32),
+        ),
+    }
+    try:
+        calls[op]()
+    except ValueError as e:
+        return str(e)
+    raise AssertionError(f"{op}: bad input was accepted")
+
+
+def _plan_for_compile(kernel: str, cfg: dict[str, Any]) -> Any:
+    """A launch plan over empty CPU tensors: compiling needs only shapes and dtypes."""
+    from kernels import triton_ops
+
+    dtype = _DTYPES[cfg["dtype"]]
+    if kernel == "paged_attention":
+        kvh, group, hd, tokens = cfg["num_kv_heads"], cfg["group"], cfg["head_dim"], cfg["tokens"]
+        cache = torch.empty(64, cfg["block_size"], kvh, hd, dtype=dtype)
+        query = torch.empty(2 * tokens, kvh * group, hd, dtype=dtype)
+        qsl = torch.tensor([0, tokens, 2 * tokens], dtype=torch.int32)
+        lens = torch.tensor([100, 100], dtype=torch.int32)
+        table = torch.zeros(2, 8, dtype=torch.int32)
+        return triton_ops.plan_paged_attention(
+            query, cache, cache, table, qsl, lens, 0.1, torch.empty_like(query)
+        )
+    if kernel == "reshape_and_cache":
+        key = torch.empty(8, cfg["num_kv_heads"], cfg["head_dim"], dtype=dtype)
+        shape = (16, 16, cfg["num_kv_heads"], cfg["head_dim"])
+        cache = torch.empty(shape, dtype=_DTYPES[cfg["cache_dtype"]])
+        slots = torch.zeros(8, dtype=torch.int64)
+        return triton_ops.plan_reshape_and_cache(key, key, cache, cache, slots)
+    if kernel == "rms_norm":
+        x = torch.empty(8, cfg["hidden"], dtype=dtype)
+        res = torch.empty_like(x) if cfg["residual"] else None
+        return triton_ops.plan_rms_norm(x, x[0], 1e-6, res, torch.empty_like(x), res)
+    if kernel == "rotary_embedding":
+        hd = cfg["head_dim"]
+        q = torch.empty(8, cfg["num_heads"], hd, dtype=dtype)
+        k = torch.empty(8, cfg["num_kv_heads"], hd, dtype=dtype)
+        positions = torch.zeros(8, dtype=torch.int64)
+        return triton_ops.plan_rotary_embedding(positions, q, k, torch.empty(64, hd))
+    raise ValueError(f"unknown kernel {kernel!r}")
+
+
+def case_compile_sm90(kernel: str, cfg: dict[str, Any]) -> dict[str, int]:
+    """Compile one launch for sm_90 down to cubin; check shared memory and spills."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    launch = _plan_for_compile(kernel, cfg)
+    params = list(launch.args) + list(launch.constexprs)
+    assert params == launch.kernel.arg_names, f"plan order {params} != {launch.kernel.arg_names}"
+    ptxas_log = io.StringIO()
+    with contextlib.redirect_stdout(ptxas_log):  # TRITON_DUMP_PTXAS_LOG prints it
+        compiled = triton.compile(
+            launch.ast_source(),
+            target=GPUTarget("cuda", 90, 32),
+            options={"num_warps": launch.num_warps},
+        )
+    cubin = compiled.asm["cubin"]
+    assert isinstance(cubin, bytes) and len(cubin) > 0, "no cubin produced"
+    assert compiled.metadata.shared <= _SM90_MAX_SHARED, f"shared {compiled.metadata.shared}"
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", ptxas_log.getvalue())]
+    regs = [int(n) for n in re.findall(r"Used (\d+) registers", ptxas_log.getvalue())]
+    assert spills and regs, f"no ptxas report captured:\n{ptxas_log.getvalue()}"
+    assert max(spills) == 0, f"register spills: {ptxas_log.getvalue()}"
+    return {"registers": max(regs), "shared": compiled.metadata.shared}
+
+
+_CASES: dict[str, Callable[..., Any]] = {
+    name[len("case_") :]: fn for name, fn in list(globals().items()) if name.startswith("case_")
+}
+
+
+# ------------------------------------------------------------------ tests: interpreter
+
+# A decode token at context 1, decodes at 37 / 96 / 17, a 17-token chunk over a 13-token
+# prefix and a fresh 40-token prefill, all in one batch.
+_MIXED_QUERY = [1, 1, 17, 1, 40, 1]
+_MIXED_PREFIX = [0, 36, 13, 95, 0, 16]
+
+# (dtype, head_dim, block_size, group, num_kv_heads): every dtype meets every head dim,
+# both block sizes, and GQA ratios 1 / 4 / 8.
+_ATTENTION_CONFIGS = [
+    ("float16", 128, 16, 4, 2),
+    ("float16", 64, 16, 1, 1),
+    ("float16", 32, 32, 8, 2),
+    ("bfloat16", 64, 32, 8, 1),
+    ("bfloat16", 128, 16, 1, 2),
+    ("bfloat16", 32, 32, 4, 2),
+    ("float32", 32, 16, 1, 4),
+    ("float32", 64, 32, 4, 2),
+    ("float32", 128, 32, 8, 1),
+]
+
+
+def test_worker_runs_the_interpreter(interp: KernelWorker) -> None:
+    assert interp.call("interpreter_is_on") is True
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "block_size", "group", "num_kv_heads"), _ATTENTION_CONFIGS
+)
+def test_paged_attention_mixed_batch(
+    interp: KernelWorker, dtype: str, head_dim: int, block_size: int, group: int, num_kv_heads: int
+) -> None:
+    interp.call(
+        "paged_attention",
+        seed=_fresh_seed(),
+        dtype=dtype,
+        head_dim=head_dim,
+        block_size=block_size,
+        group=group,
+        num_kv_heads=num_kv_heads,
+        query_lens=_MIXED_QUERY,
+        prefix_lens=_MIXED_PREFIX,
+    )
+
+
+@pytest.mark.parametrize(("block_m", "tile_n"), [(16, 16), (32, 64), (128, 32)])
+def test_paged_attention_tile_shapes(interp: KernelWorker, block_m: int, tile_n: int) -> None:
+    """Query tiles smaller and larger than a chunk, keys tiles smaller and larger than
+    a cache block, and a sequence with no new tokens."""
+    interp.call(
+        "paged_attention",
+        seed=_fresh_seed(),
+        dtype="float16",
+        head_dim=64,
+        block_size=32,
+        group=2,
+        num_kv_heads=2,
+        query_lens=[1, 33, 0, 70, 1],
+        prefix_lens=[63, 31, 5, 0, 0],
+        block_m=block_m,
+        tile_n=tile_n,
+    )
+
+
+def test_paged_attention_odd_group_and_head_dim(interp: KernelWorker) -> None:
+    """GQA ratio 3 and head dim 80 exercise the padded query-row and head-dim masks."""
+    interp.call(
+        "paged_attention",
+        seed=_fresh_seed(),
+        dtype="float16",
+        head_dim=80,
+        block_size=16,
+        group=3,
+        num_kv_heads=2,
+        query_lens=[1, 20, 1],
+        prefix_lens=[50, 7, 0],
+    )
+
+
+def test_paged_attention_long_decode(interp: KernelWorker) -> None:
+    """An 8k-token decode next to a 1-token one; fp32 so the tolerance is tight enough
+    that one key too many or too few (a 1/8192 share) would show."""
+    interp.call(
+        "paged_attention",
+        seed=_fresh_seed(),
+        dtype="float32",
+        head_dim=64,
+        block_size=32,
+        group=4,
+        num_kv_heads=1,
+        query_lens=[1, 1],
+        prefix_lens=[8191, 0],
+    )
+
+
+def test_paged_attention_public_api(interp: KernelWorker) -> None:
+    interp.call("paged_attention_public_api", seed=_fresh_seed())
+
+
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype", "num_kv_heads", "head_dim", "block_size"),
+    [
+        ("float16", "float16", 8, 128, 16),
+        ("bfloat16", "bfloat16", 2, 64, 32),
+        ("float32", "float32", 1, 32, 16),
+        ("float32", "float16", 4, 64, 16),
+        ("bfloat16", "float32", 3, 32, 32),
+    ],
+)
+def test_reshape_and_cache(
+    interp: KernelWorker,
+    dtype: str,
+    cache_dtype: str,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+) -> None:
+    written = interp.call(
+        "reshape_and_cache",
+        seed=_fresh_seed(),
+        dtype=dtype,
+        cache_dtype=cache_dtype,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        num_tokens=45,
+    )
+    assert 0 < written < 45
+
+
+@pytest.mark.parametrize(
+    ("dtype", "hidden", "with_residual", "row_pad"),
+    [
+        ("float32", 64, True, 0),
+        ("float16", 100, True, 12),
+        ("bfloat16", 4096, True, 0),
+        ("float16", 256, False, 0),
+        ("bfloat16", 100, False, 28),
+        ("float32", 1000, False, 0),
+    ],
+)
+def test_rms_norm(
+    interp: KernelWorker, dtype: str, hidden: int, with_residual: bool, row_pad: int
+) -> None:
+    interp.call(
+        "rms_norm",
+        seed=_fresh_seed(),
+        dtype=dtype,
+        hidden=hidden,
+        num_tokens=7,
+        with_residual=with_residual,
+        row_pad=row_pad,
+    )
+
+
+@pytest.mark.parametrize(
+    ("dtype", "cache_dtype", "num_heads", "num_kv_heads", "head_dim"),
+    [
+        ("float32", "float32", 8, 8, 32),
+        ("float16", "float32", 8, 2, 64),
+        ("bfloat16", "float32", 8, 1, 128),
+        ("float16", "float16", 12, 4, 128),
+        ("bfloat16", "bfloat16", 4, 4, 64),
+    ],
+)
+def test_rotary_embedding(
+    interp: KernelWorker,
+    dtype: str,
+    cache_dtype: str,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> None:
+    interp.call(
+        "rotary_embedding",
+        seed=_fresh_seed(),
+        dtype=dtype,
+        cache_dtype=cache_dtype,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        num_tokens=9,
+    )
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        "gqa_ratio",
+        "dtype_mismatch",
+        "query_start_loc_len",
+        "slot_mapping_len",
+        "rms_weight",
+        "rotary_width",
+    ],
+)
+def test_rejects_bad_input(interp: KernelWorker, op: str) -> None:
+    message = interp.call("rejects_bad_input", op=op)
+    assert message
+
+
+# ------------------------------------------------------------------ tests: sm_90 compilation
+
+_COMPILE_CONFIGS: list[tuple[str, dict[str, Any]]] = [
+    *[
+        (
+            "paged_attention",
+            {
+                "dtype": d,
+                "head_dim": hd,
+                "block_size": bs,
+                "group": g,
+                "num_kv_heads": 2,
+                "tokens": t,
+            },
+        )
+        for d, hd, bs, g, t in [
+            ("float16", 128, 16, 4, 1),  # decode tiles
+            ("float16", 128, 16, 4, 40),  # prefill tiles
+            ("bfloat16", 128, 32, 8, 1),
+            ("bfloat16", 128, 32, 8, 40),
+            ("bfloat16", 64, 16, 1, 40),
+            ("float32", 128, 16, 4, 40),
+            ("float16", 80, 16, 3, 40),
+        ]
+    ],
+    (
+        "reshape_and_cache",
+        {"dtype": "float16", "cache_dtype": "float16", "num_kv_heads": 8, "head_dim": 128},
+    ),
+    (
+        "reshape_and_cache",
+        {"dtype": "bfloat16", "cache_dtype": "bfloat16", "num_kv_heads": 2, "head_dim": 64},
+    ),
+    ("rms_norm", {"dtype": "bfloat16", "hidden": 4096, "residual": True}),
+    ("rms_norm", {"dtype": "float16", "hidden": 8192, "residual": False}),
+    (
+        "rotary_embedding",
+        {"dtype": "bfloat16", "num_heads": 32, "num_kv_heads": 8, "head_dim": 128},
+    ),
+    ("rotary_embedding", {"dtype": "float16", "num_heads": 12, "num_kv_heads": 4, "head_dim": 64}),
+]
+
+
+@pytest.mark.parametrize(
+    ("kernel", "cfg"),
+    _COMPILE_CONFIGS,
+    ids=lambda v: str(v) if isinstance(v, str) else "-".join(map(str, v.values())),
+)
+def test_compiles_for_sm90(gpu_compiler: KernelWorker, kernel: str, cfg: dict[str, Any]) -> None:
+    report = gpu_compiler.call("compile_sm90", kernel=kernel, cfg=cfg)
+    assert report["registers"] <= 255
+
+
+# ------------------------------------------------------------------ tests: packaging, benchmark
+
+
+def _run_python(
+    args: list[str], env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_kernels_package_does_not_import_triton() -> None:
+    code = (
+        "import sys, kernels, kernels.reference, kernels.dispatch\n"
+        "kernels.dispatch.get_ops('torch')\n"
+        "assert 'triton' not in sys.modules, 'triton imported'\n"
+    )
+    result = _run_python(["-c", code])
+    assert result.returncode == 0, result.stderr
+
+
+def test_benchmark_smoke() -> None:
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # the script sets it itself for --smoke
+    result = _run_python(["benchmarks/kernels.py", "--smoke"], env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "paged_attention" in result.stdout and "GB/s" in result.stdout, result.stdout
+
+
+def test_benchmark_without_cuda_exits_cleanly() -> None:
+    result = _run_python(["benchmarks/kernels.py"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "CUDA" in result.stdout

@@ -1,0 +1,400 @@
+"""OutputProcessor: engine outputs in, vLLM-shaped RequestOutputs out."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from typing import Any
+
+import pytest
+
+from engine_service.outputs import EngineCoreOutput, FinishReason, Logprobs
+from engine_service.sampling_params import InvalidRequestError, RequestOutputKind, SamplingParams
+from frontend_service.input_processor import InputProcessor, ProcessedRequest
+from frontend_service.output_processor import OutputProcessor, ParentRequest
+from frontend_service.outputs import RequestOutput
+from tests.test_detokenizer import (
+    CJK,
+    EMOJI,
+    build_test_tokenizer,
+    byte_token_ids,
+    random_text,
+    split_ids,
+)
+
+DELTA = RequestOutputKind.DELTA
+CUMULATIVE = RequestOutputKind.CUMULATIVE
+FINAL_ONLY = RequestOutputKind.FINAL_ONLY
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return build_test_tokenizer()
+
+
+@pytest.fixture
+def rng() -> random.Random:
+    seed = random.SystemRandom().randrange(2**32)
+    print(f"random seed {seed}")  # shown by pytest on failure
+    return random.Random(seed)
+
+
+def _inputs(tokenizer: Any) -> InputProcessor:
+    return InputProcessor(tokenizer, 4096, len(tokenizer), 5, tokenizer.eos_token_id)
+
+
+def _start(
+    tokenizer: Any, request_id: str = "req", prompt: str = "hello", **params: Any
+) -> tuple[OutputProcessor, ProcessedRequest]:
+    processed = _inputs(tokenizer).process(request_id, SamplingParams(**params), prompt=prompt)
+    processor = OutputProcessor(tokenizer)
+    processor.add_processed(processed)
+    return processor, processed
+
+
+def _chunks(rng: random.Random, ids: list[int]) -> list[list[int]]:
+    """Split ids into engine steps of 1-3 tokens."""
+    out: list[list[int]] = []
+    i = 0
+    while i < len(ids):
+        step = rng.randint(1, 3)
+        out.append(ids[i : i + step])
+        i += step
+    return out
+
+
+def _feed(
+    processor: OutputProcessor,
+    engine_id: str,
+    ids: list[int],
+    rng: random.Random,
+    finish: FinishReason | None = FinishReason.LENGTH,
+    processor_streams: bool = True,
+) -> list[RequestOutput]:
+    """Feed ``ids`` in random steps, the last step carrying ``finish``; collect outputs."""
+    results: list[RequestOutput] = []
+    steps = _chunks(rng, ids)
+    for n, step in enumerate(steps):
+        last = n == len(steps) - 1
+        processed = processor.process_outputs(
+            [EngineCoreOutput(engine_id, step, finish_reason=finish if last else None)]
+        )
+        outs = [out for _, out in processed.request_outputs]
+        if processor_streams:
+            assert len(outs) == 1  # DELTA and CUMULATIVE answer every step
+        results += outs
+    return results
+
+
+def test_delta_pieces_concatenate_to_final_text(tokenizer: Any, rng: random.Random) -> None:
+    for _ in range(10):
+        text = random_text(rng, rng.randint(1, 30))
+        ids = split_ids(rng, tokenizer, text)
+        processor, _ = _start(tokenizer, output_kind=DELTA)
+        outs = _feed(processor, "req", ids, rng)
+        assert "".join(o.outputs[0].text for o in outs) == text
+        assert [t for o in outs for t in o.outputs[0].token_ids] == ids
+        assert all("\ufffd" not in o.outputs[0].text for o in outs)
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+        assert outs[-1].outputs[0].finish_reason == "length"
+        assert outs[-1].usage.completion_tokens == len(ids)
+        assert not processor.has_unfinished_requests()
+
+
+def test_cumulative_outputs_grow_and_final_only_sends_once(
+    tokenizer: Any, rng: random.Random
+) -> None:
+    text = random_text(rng, 20)
+    ids = split_ids(rng, tokenizer, text)
+    processor, processed = _start(tokenizer, output_kind=CUMULATIVE)
+    outs = _feed(processor, "req", ids, rng)
+    texts = [o.outputs[0].text for o in outs]
+    assert all(b.startswith(a) for a, b in itertools.pairwise(texts))
+    assert texts[-1] == text and outs[-1].outputs[0].token_ids == ids
+    assert outs[-1].prompt == "hello"
+    assert outs[-1].prompt_token_ids == processed.prompt_token_ids
+
+    processor, _ = _start(tokenizer, output_kind=FINAL_ONLY)
+    outs = _feed(processor, "req", ids, rng, processor_streams=False)
+    assert len(outs) == 1 and outs[0].finished
+    assert outs[0].outputs[0].text == text and outs[0].outputs[0].token_ids == ids
+
+
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("kind", [DELTA, CUMULATIVE])
+def test_stop_string_across_tokens_truncates_and_requests_abort(
+    include: bool, kind: RequestOutputKind, tokenizer: Any, rng: random.Random
+) -> None:
+    before = random_text(rng, rng.randint(1, 8)).replace("#", "")
+    stop = "#" + rng.choice(CJK + EMOJI)
+    ids = byte_token_ids(tokenizer, before + stop + random_text(rng, 5))
+    processor, _ = _start(
+        tokenizer, stop=[stop], include_stop_str_in_output=include, output_kind=kind
+    )
+    streamed: list[str] = []
+    streamed_ids: list[int] = []
+    aborts: list[str] = []
+    for token in ids:
+        result = processor.process_outputs([EngineCoreOutput("req", [token])])
+        aborts += result.reqs_to_abort
+        for _, out in result.request_outputs:
+            streamed.append(out.outputs[0].text)
+            streamed_ids += out.outputs[0].token_ids
+            if out.finished:
+                break
+        if aborts:
+            break
+    expected = before + stop if include else before
+    assert aborts == ["req"]
+    final = out.outputs[0]
+    assert final.finish_reason == "stop" and final.stop_reason == stop
+    kept = final.token_ids if kind == CUMULATIVE else streamed_ids
+    assert kept == byte_token_ids(tokenizer, before + stop)  # tokens up to the match
+    if kind == DELTA:
+        assert "".join(streamed) == expected
+    else:
+        # Nothing streamed is ever taken back: each output extends the previous one.
+        assert all(b.startswith(a) for a, b in itertools.pairwise(streamed))
+        assert streamed[-1] == expected
+    # The engine may send one more step before the abort lands: it is ignored.
+    assert processor.process_outputs([EngineCoreOutput("req", [5])]).request_outputs == []
+    assert not processor.has_unfinished_requests()
+
+
+def test_stop_string_mid_step_drops_the_later_tokens(tokenizer: Any, rng: random.Random) -> None:
+    before = random_text(rng, rng.randint(1, 6))
+    stop = "#" + rng.choice(EMOJI)
+    kept = byte_token_ids(tokenizer, before + stop)
+    ids = kept + split_ids(rng, tokenizer, random_text(rng, 4))
+    processor, _ = _start(tokenizer, stop=[stop], logprobs=1)
+    packed = _packed(rng, ids, 1, len(tokenizer))
+    result = processor.process_outputs([EngineCoreOutput("req", ids, new_logprobs=packed)])
+    ((_, out),) = result.request_outputs
+    assert result.reqs_to_abort == ["req"] and out.finished
+    assert out.outputs[0].text == before
+    assert out.outputs[0].token_ids == kept
+    assert len(out.outputs[0].logprobs) == len(kept)
+    assert out.outputs[0].cumulative_logprob == pytest.approx(
+        sum(row[0] for row in packed.logprobs[: len(kept)])
+    )
+
+
+def test_stop_string_in_the_engines_final_step_needs_no_abort(tokenizer: Any) -> None:
+    processor, _ = _start(tokenizer, stop=["ok"])
+    ids = tokenizer.encode(" fine ok then", add_special_tokens=False)
+    result = processor.process_outputs(
+        [EngineCoreOutput("req", ids, finish_reason=FinishReason.LENGTH)]
+    )
+    assert result.reqs_to_abort == []
+    ((_, out),) = result.request_outputs
+    assert out.outputs[0].text == " fine " and out.outputs[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_eos_text_is_hidden_unless_included(include: bool, tokenizer: Any) -> None:
+    eos = tokenizer.eos_token_id
+    processor, _ = _start(tokenizer, skip_special_tokens=False, include_stop_str_in_output=include)
+    ids = tokenizer.encode(" done", add_special_tokens=False)
+    result = processor.process_outputs(
+        [EngineCoreOutput("req", [*ids, eos], finish_reason=FinishReason.STOP)]
+    )
+    ((_, out),) = result.request_outputs
+    assert out.outputs[0].text == " done" + ("</s>" if include else "")
+    assert out.outputs[0].token_ids == [*ids, eos]
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", None)
+
+
+@pytest.mark.parametrize(
+    ("reason", "name"),
+    [
+        (FinishReason.STOP, "stop"),
+        (FinishReason.LENGTH, "length"),
+        (FinishReason.ABORT, "abort"),
+        (FinishReason.ERROR, "error"),
+    ],
+)
+def test_engine_finish_reasons_map_to_names(
+    reason: FinishReason, name: str, tokenizer: Any
+) -> None:
+    processor, _ = _start(tokenizer)
+    result = processor.process_outputs(
+        [EngineCoreOutput("req", [40], finish_reason=reason, stop_reason=7)]
+    )
+    ((_, out),) = result.request_outputs
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == (name, 7)
+
+
+def _packed(rng: random.Random, chosen: list[int], k: int, vocab: int) -> Logprobs:
+    token_ids, values, ranks = [], [], []
+    for token in chosen:
+        top = rng.sample([t for t in range(vocab) if t != token], k)
+        row_values = sorted((math.log(rng.random()) for _ in range(k + 1)), reverse=True)
+        token_ids.append([token, *top])
+        values.append([row_values[-1], *row_values[:k]])
+        ranks.append(rng.randint(k + 1, vocab))
+    return Logprobs(token_ids, values, ranks)
+
+
+def test_logprobs_are_decoded_ranked_and_streamed_by_kind(
+    tokenizer: Any, rng: random.Random
+) -> None:
+    vocab = len(tokenizer)
+    k = rng.randint(1, 5)
+    ids = tokenizer.encode(random_text(rng, 8), add_special_tokens=False)
+    processor, processed = _start(tokenizer, logprobs=k, prompt_logprobs=2, output_kind=DELTA)
+    prompt_len = len(processed.prompt_token_ids)
+    prompt_packed = _packed(rng, processed.prompt_token_ids[1:], 2, vocab)
+    first = _packed(rng, ids[:1], k, vocab)
+    rest = _packed(rng, ids[1:], k, vocab)
+    outs = [
+        o
+        for batch in (
+            [
+                EngineCoreOutput(
+                    "req", ids[:1], new_logprobs=first, new_prompt_logprobs=prompt_packed
+                )
+            ],
+            [
+                EngineCoreOutput(
+                    "req", ids[1:], new_logprobs=rest, finish_reason=FinishReason.LENGTH
+                )
+            ],
+        )
+        for _, o in processor.process_outputs(batch).request_outputs
+    ]
+    assert (
+        len(outs[0].outputs[0].logprobs) == 1 and len(outs[1].outputs[0].logprobs) == len(ids) - 1
+    )
+    entries = outs[0].outputs[0].logprobs + outs[1].outputs[0].logprobs
+    rows = [(first, 0)] + [(rest, i) for i in range(len(ids) - 1)]
+    for entry, (packed, row), token in zip(entries, rows, ids):
+        assert list(entry) == packed.token_ids[row]  # chosen first, then the top-k
+        assert entry[token].rank == packed.ranks[row]
+        assert [entry[t].rank for t in packed.token_ids[row][1:]] == list(range(1, k + 1))
+        for t, lp in entry.items():
+            assert lp.decoded_token == tokenizer.decode([t])
+    total = sum(p.logprobs[r][0] for p, r in rows)
+    assert outs[-1].outputs[0].cumulative_logprob == pytest.approx(total)
+    # Prompt logprobs: position 0 is None, then one row per later prompt token; DELTA
+    # sends them once.
+    assert outs[0].prompt_logprobs[0] is None and len(outs[0].prompt_logprobs) == prompt_len
+    assert outs[1].prompt_logprobs is None
+
+
+def test_no_logprobs_requested_gives_none(tokenizer: Any, rng: random.Random) -> None:
+    processor, _ = _start(tokenizer)
+    outs = _feed(processor, "req", [40, 41, 42], rng)
+    assert outs[-1].outputs[0].logprobs is None
+    assert outs[-1].outputs[0].cumulative_logprob is None
+    assert outs[-1].prompt_logprobs is None
+
+
+def _texts(rng: random.Random, tokenizer: Any, n: int) -> list[list[int]]:
+    return [split_ids(rng, tokenizer, random_text(rng, rng.randint(1, 10))) for _ in range(n)]
+
+
+def test_parent_request_fans_out_with_deterministic_ids_and_seeds() -> None:
+    parent = ParentRequest("abc", SamplingParams(n=3, seed=10, stop=["x"]))
+    assert [parent.child_request_id(i) for i in range(3)] == ["0_abc", "1_abc", "2_abc"]
+    children = [parent.child_sampling_params(i) for i in range(3)]
+    assert [c.seed for c in children] == [10, 11, 12] and {c.n for c in children} == {1}
+    assert children[0].stop == ["x"] and children[0].stop is not parent.sampling_params.stop
+    unseeded = ParentRequest("abc", SamplingParams(n=2))
+    assert unseeded.child_sampling_params(1).seed is None
+    assert ParentRequest("solo", SamplingParams()).child_request_id(0) == "solo"
+    with pytest.raises(IndexError):
+        parent.child_request_id(3)
+
+
+@pytest.mark.parametrize("kind", [DELTA, CUMULATIVE, FINAL_ONLY])
+def test_n3_children_aggregate_into_one_request(
+    kind: RequestOutputKind, tokenizer: Any, rng: random.Random
+) -> None:
+    processor, processed = _start(tokenizer, "p", n=3, seed=1, output_kind=kind)
+    assert [r.request_id for r in processed.engine_requests] == ["0_p", "1_p", "2_p"]
+    seqs = _texts(rng, tokenizer, 3)
+    cursors = [0, 0, 0]
+    outs: list[RequestOutput] = []
+    while any(c < len(s) for c, s in zip(cursors, seqs)):
+        step = []
+        for i in rng.sample(range(3), rng.randint(1, 3)):
+            if cursors[i] >= len(seqs[i]):
+                continue
+            cursors[i] += 1
+            done = cursors[i] == len(seqs[i])
+            step.append(
+                EngineCoreOutput(
+                    f"{i}_p",
+                    [seqs[i][cursors[i] - 1]],
+                    finish_reason=FinishReason.LENGTH if done else None,
+                )
+            )
+        result = processor.process_outputs(step)
+        assert all(user_id == "p" for user_id, _ in result.request_outputs)
+        outs += [o for _, o in result.request_outputs]
+        if kind == DELTA and step:
+            (out,) = [o for _, o in result.request_outputs]
+            assert [c.index for c in out.outputs] == sorted(int(s.request_id[0]) for s in step)
+    expected = [tokenizer.decode(s) for s in seqs]
+    assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+    final = outs[-1]
+    assert final.usage.completion_tokens == sum(len(s) for s in seqs)
+    assert final.usage.prompt_tokens == len(processed.prompt_token_ids)
+    if kind == DELTA:
+        for i in range(3):
+            assert "".join(c.text for o in outs for c in o.outputs if c.index == i) == expected[i]
+    else:
+        assert [c.index for c in final.outputs] == [0, 1, 2]
+        assert [c.text for c in final.outputs] == expected
+        assert [c.token_ids for c in final.outputs] == seqs
+        assert all(len(o.outputs) == 3 for o in outs)
+    if kind == FINAL_ONLY:
+        assert len(outs) == 1
+    assert not processor.has_unfinished_requests()
+
+
+def test_abort_parent_aborts_all_unfinished_children(tokenizer: Any) -> None:
+    processor, _ = _start(tokenizer, "p", n=3, output_kind=CUMULATIVE)
+    processor.process_outputs(
+        [
+            EngineCoreOutput("0_p", [40], finish_reason=FinishReason.LENGTH),
+            EngineCoreOutput("1_p", [41]),
+        ]
+    )
+    result = processor.abort_requests(["p", "unknown"])
+    assert sorted(result.reqs_to_abort) == ["1_p", "2_p"]
+    ((user_id, out),) = result.request_outputs
+    assert user_id == "p" and out.finished
+    assert [c.finish_reason for c in out.outputs] == ["length", "abort", "abort"]
+    assert processor.process_outputs([EngineCoreOutput("1_p", [42])]).request_outputs == []
+    assert not processor.has_unfinished_requests()
+    assert processor.abort_requests(["p"]).reqs_to_abort == []
+
+
+def test_request_ids_must_be_unique(tokenizer: Any) -> None:
+    processor, _ = _start(tokenizer, "dup")
+    again = _inputs(tokenizer).process("dup", SamplingParams(), prompt="x")
+    with pytest.raises(InvalidRequestError) as err:
+        processor.add_processed(again)
+    assert err.value.field == "request_id"
+    assert processor.get_num_unfinished_requests() == 1
+
+
+def test_without_tokenizer_token_ids_flow_and_text_is_empty(rng: random.Random) -> None:
+    processor = OutputProcessor(None)
+    processed = InputProcessor(None, 64, 100, 5, 1).process(
+        "t", SamplingParams(logprobs=1), prompt_token_ids=[3, 4]
+    )
+    processor.add_processed(processed)
+    ids = [rng.randrange(100) for _ in range(5)]
+    result = processor.process_outputs(
+        [
+            EngineCoreOutput(
+                "t", ids, new_logprobs=_packed(rng, ids, 1, 100), finish_reason=FinishReason.LENGTH
+            )
+        ]
+    )
+    ((_, out),) = result.request_outputs
+    assert out.outputs[0].text == "" and out.outputs[0].token_ids == ids
+    assert all(lp.decoded_token is None for e in out.outputs[0].logprobs for lp in e.values())
