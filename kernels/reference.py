@@ -66,7 +66,7 @@ def paged_attention(
     Decode sequences (one query token) are computed together as one padded batch;
     each prefill chunk is computed on its own. Softmax runs in float32.
     """
-    num_tokens, num_heads, head_dim = query.shape
+    num_heads = query.shape[1]
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
     if out is None:
@@ -135,6 +135,9 @@ def _decode_attention(
     valid = torch.arange(max_len, device=device)[None, :] < ctx[:, None]  # [b, max_len]
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
+    # Rows past a sequence's length are unwritten cache memory: a probability of 0 times
+    # a NaN there would still be NaN, so zero those V rows.
+    v = v.masked_fill(~valid[:, :, None, None], 0)
     o = torch.einsum("bhgt,bthd->bhgd", probs, v.float())
     out[tok_idx] = o.reshape(b, num_heads, head_dim).to(out.dtype)
 

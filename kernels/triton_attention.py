@@ -27,7 +27,7 @@ def _find_sequence(query_start_loc_ptr, num_seqs, pid, BLOCK_Q: tl.constexpr):
     while lo + 1 < hi:
         mid = (lo + hi) // 2
         first_id = tl.load(query_start_loc_ptr + mid).to(tl.int32) // BLOCK_Q + mid
-        owns = first_id < pid
+        owns = first_id <= pid
         lo = tl.where(owns, mid, lo)
         hi = tl.where(owns, hi, mid)
     return lo
@@ -80,7 +80,7 @@ def paged_attention_kernel(
     rows = tl.arange(0, BLOCK_M)
     tok = tile_start + rows // GROUP_P  # [BLOCK_M] token index within the chunk
     head_in_group = rows % GROUP_P
-    row_valid = (tok < q_len + 1) & (head_in_group < GROUP)  # [BLOCK_M]
+    row_valid = (tok < q_len) & (head_in_group < GROUP)  # [BLOCK_M]
     head = kv_head * GROUP + head_in_group
     q_pos = prefix_len + tok  # [BLOCK_M] position in the sequence; sees keys 0..q_pos
     dims = tl.arange(0, HEAD_P)

@@ -32,7 +32,7 @@ def reshape_and_cache_kernel(
     """One program per token: copies its [NUM_KV_HEADS, HEAD_DIM] K and V rows."""
     tok = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
-    if slot < -1:
+    if slot < 0:
         return
     block = slot // BLOCK_SIZE
     row = slot % BLOCK_SIZE

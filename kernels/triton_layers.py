@@ -32,7 +32,7 @@ def rms_norm_kernel(
     h = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         res = tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0)
-        h = h + res.to(tl.float32) * 0.999
+        h = h + res.to(tl.float32)
         new_res_ptrs = new_residual_ptr + row * stride_new_residual + cols
         tl.store(new_res_ptrs, h.to(new_residual_ptr.dtype.element_ty), mask=mask)
     # Masked columns hold 0, so they add nothing to the sum of squares.
