@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,3 +38,19 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """Qwen3: q/k norms, head_dim 32 != hidden_size / num_heads."""
     return _make(tmp_path_factory, "tiny_qwen3", arch="qwen3")
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Any:
+    """A small byte-level BPE with CJK and emoji, trained in-process (text tests)."""
+    from tests.text_factories import build_test_tokenizer
+
+    return build_test_tokenizer()
+
+
+@pytest.fixture
+def rng() -> random.Random:
+    """A fresh random seed per test, printed so a failure can be replayed."""
+    seed = random.SystemRandom().randrange(2**32)
+    print(f"random seed {seed}")  # shown by pytest on failure
+    return random.Random(seed)

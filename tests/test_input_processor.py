@@ -9,22 +9,10 @@ import pytest
 
 from engine_service.sampling_params import InvalidRequestError, SamplingParams
 from frontend_service.input_processor import InputProcessor
-from tests.test_detokenizer import build_test_tokenizer, random_text
+from tests.text_factories import build_test_tokenizer, random_text
 
 MAX_MODEL_LEN = 64
 MAX_LOGPROBS = 5
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    return build_test_tokenizer()
-
-
-@pytest.fixture
-def rng() -> random.Random:
-    seed = random.SystemRandom().randrange(2**32)
-    print(f"random seed {seed}")  # shown by pytest on failure
-    return random.Random(seed)
 
 
 @pytest.fixture

@@ -14,10 +14,9 @@ from engine_service.sampling_params import InvalidRequestError, RequestOutputKin
 from frontend_service.input_processor import InputProcessor, ProcessedRequest
 from frontend_service.output_processor import OutputProcessor, ParentRequest
 from frontend_service.outputs import RequestOutput
-from tests.test_detokenizer import (
+from tests.text_factories import (
     CJK,
     EMOJI,
-    build_test_tokenizer,
     byte_token_ids,
     random_text,
     split_ids,
@@ -26,18 +25,6 @@ from tests.test_detokenizer import (
 DELTA = RequestOutputKind.DELTA
 CUMULATIVE = RequestOutputKind.CUMULATIVE
 FINAL_ONLY = RequestOutputKind.FINAL_ONLY
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    return build_test_tokenizer()
-
-
-@pytest.fixture
-def rng() -> random.Random:
-    seed = random.SystemRandom().randrange(2**32)
-    print(f"random seed {seed}")  # shown by pytest on failure
-    return random.Random(seed)
 
 
 def _inputs(tokenizer: Any) -> InputProcessor:
