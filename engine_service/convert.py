@@ -163,7 +163,7 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams
     has = msg.HasField
     d = _SP_DEFAULTS
     return SamplingParams(
-        n=msg.n or 1,
+        n=msg.n if msg.HasField("n") else 1,
         temperature=msg.temperature if has("temperature") else d.temperature,
         top_p=msg.top_p if has("top_p") else d.top_p,
         top_k=msg.top_k if has("top_k") else None,

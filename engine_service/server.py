@@ -301,7 +301,10 @@ async def serve_engine(engine_config: EngineConfig, server_config: EngineServerC
         options=[
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
             ("grpc.max_send_message_length", 64 * 1024 * 1024),
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
+            # Frontends ping every 10 s (engine_client.CHANNEL_OPTIONS); allow that, or
+            # the server answers GOAWAY "too_many_pings" after ~30 s idle. (The C-core
+            # name of this server option has no "recv" in it.)
+            ("grpc.http2.min_ping_interval_without_data_ms", 5000),
             ("grpc.keepalive_permit_without_calls", 1),
         ]
     )

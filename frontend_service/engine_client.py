@@ -53,6 +53,8 @@ class EngineLoad:
 
 OutputsHandler = Callable[["EngineConnection", EngineCoreOutputs], None]
 DeadHandler = Callable[["EngineConnection", str], None]
+AliveHandler = Callable[["EngineConnection"], None]
+RECONNECT_MAX_DELAY = 5.0  # seconds between attempts to reach a dead engine, at most
 
 
 class EngineConnection:
@@ -63,12 +65,14 @@ class EngineConnection:
         client_index: int,
         on_outputs: OutputsHandler,
         on_dead: DeadHandler,
+        on_alive: AliveHandler | None = None,
     ) -> None:
         self.address = address
         self.index = index
         self.client_index = client_index
         self.on_outputs = on_outputs
         self.on_dead = on_dead
+        self.on_alive = on_alive
         self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self.stub = engine_pb2_grpc.EngineCoreStub(self.channel)
         self.info: engine_pb2.GetEngineInfoResponse | None = None
@@ -77,6 +81,9 @@ class EngineConnection:
         self.dead_reason = ""
         self._send: asyncio.Queue[engine_pb2.EngineCoreInput | None] = asyncio.Queue()
         self._reader: asyncio.Task[None] | None = None
+        self._reconnector: asyncio.Task[None] | None = None
+        self._fingerprint = ""
+        self._closing = False
 
     async def fetch_info(self, timeout: float) -> engine_pb2.GetEngineInfoResponse:
         """Wait (up to ``timeout``) for the engine to answer and return its info."""
@@ -92,6 +99,7 @@ class EngineConnection:
 
     async def open(self, tokenizer_fingerprint: str) -> None:
         """Start the stream; the first message says who we are."""
+        self._fingerprint = tokenizer_fingerprint
         await self._send.put(convert.hello_input(self.client_index, tokenizer_fingerprint))
         call = self.stub.Stream(self._inputs())
         self.alive = True
@@ -131,7 +139,35 @@ class EngineConnection:
         self.alive = False
         self.dead_reason = f"engine {self.index} at {self.address} is unavailable: {reason}"
         logger.error(self.dead_reason)
+        self._send.put_nowait(None)  # ends the old stream's request iterator
         self.on_dead(self, self.dead_reason)
+        if not self._closing:
+            self._reconnector = asyncio.ensure_future(self._reconnect())
+
+    async def _reconnect(self) -> None:
+        """Retry a dead engine (e.g. restarted by its orchestrator) until it answers.
+
+        Requests that were on it already failed; new ones go to it again once it is back.
+        """
+        delay = 0.5
+        while not self._closing:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RECONNECT_MAX_DELAY)
+            try:
+                info = await self.stub.GetEngineInfo(engine_pb2.GetEngineInfoRequest(), timeout=2.0)
+            except grpc.aio.AioRpcError:
+                continue
+            if self._fingerprint and info.tokenizer_fingerprint != self._fingerprint:
+                logger.error("engine at %s came back with a different tokenizer; not using it", self.address)
+                continue
+            self.info = info
+            self.load = EngineLoad()
+            self._send = asyncio.Queue()
+            await self.open(self._fingerprint)
+            logger.info("engine %d at %s is back", self.index, self.address)
+            if self.on_alive is not None:
+                self.on_alive(self)
+            return
 
     def add_request(self, request: EngineCoreRequest) -> None:
         if not self.alive:
@@ -146,9 +182,11 @@ class EngineConnection:
             self._send.put_nowait(convert.abort_input(request_ids))
 
     async def close(self) -> None:
+        self._closing = True
         self._send.put_nowait(None)
-        if self._reader is not None:
-            self._reader.cancel()
+        for task in (self._reader, self._reconnector):
+            if task is not None:
+                task.cancel()
         await self.channel.close()
 
 
@@ -161,11 +199,12 @@ class EngineGroup:
         client_index: int,
         on_outputs: OutputsHandler,
         on_dead: DeadHandler,
+        on_alive: AliveHandler | None = None,
     ) -> None:
         if not addresses:
             raise ValueError("at least one engine address is required")
         self.engines = [
-            EngineConnection(addr, i, client_index, on_outputs, on_dead)
+            EngineConnection(addr, i, client_index, on_outputs, on_dead, on_alive)
             for i, addr in enumerate(addresses)
         ]
 

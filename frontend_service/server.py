@@ -22,7 +22,12 @@ from grpc_reflection.v1alpha import reflection
 from engine_service.server import tokenizer_fingerprint
 from frontend_service import api
 from frontend_service.async_llm import AsyncLLM, PauseMode
-from frontend_service.engine_client import EngineConnection, EngineGroup
+from frontend_service.engine_client import (
+    EngineConnection,
+    EngineGroup,
+    EngineUnavailableError,
+    TokenizerMismatchError,
+)
 from frontend_service.errors import abort_with
 from frontend_service.input_processor import ChatRenderer, InputProcessor
 from tandem.v1 import frontend_pb2, frontend_pb2_grpc
@@ -191,18 +196,28 @@ async def serve_frontend(config: FrontendConfig, ready: asyncio.Event | None = N
     def on_outputs(engine: EngineConnection, outs: Any) -> None:
         holder["llm"].on_engine_outputs(engine, outs)
 
+    def set_health(status: int) -> None:
+        for name in ("", SERVICE_NAME):
+            task = asyncio.ensure_future(health_servicer.set(name, status))
+            background.add(task)
+            task.add_done_callback(background.discard)
+
     def on_dead(engine: EngineConnection, reason: str) -> None:
         holder["llm"].on_engine_dead(engine, reason)
         if not group.any_alive:
-            for name in ("", SERVICE_NAME):
-                task = asyncio.ensure_future(
-                    health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-                )
-                background.add(task)
-                task.add_done_callback(background.discard)
+            set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
 
-    group = EngineGroup(config.engines, config.client_index, on_outputs, on_dead)
-    info = await group.connect(fingerprint, config.connect_timeout)
+    def on_alive(engine: EngineConnection) -> None:
+        set_health(health_pb2.HealthCheckResponse.SERVING)
+
+    group = EngineGroup(config.engines, config.client_index, on_outputs, on_dead, on_alive)
+    try:
+        info = await group.connect(fingerprint, config.connect_timeout)
+    except BaseException:
+        # Unreachable or mismatched engines: close the port before giving up.
+        await server.stop(0)
+        await group.close()
+        raise
     eos = tokenizer.eos_token_id
     processor = InputProcessor(tokenizer, info.max_model_len, info.vocab_size, info.max_logprobs, eos)
     llm = AsyncLLM(tokenizer, group, processor, config.client_index)
@@ -256,4 +271,8 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    return asyncio.run(serve_frontend(config_from_args(args)))
+    try:
+        return asyncio.run(serve_frontend(config_from_args(args)))
+    except (EngineUnavailableError, TokenizerMismatchError) as exc:
+        logger.error("cannot start the frontend: %s", exc)
+        return 1
