@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from typing import Any
 
 import torch
 
 from engine_service.attention import AttentionMetadata
 from engine_service.config import ConfigError, EngineConfig
+from engine_service.cpu import keep_freed_memory_mapped
 from engine_service.kv_cache.manager import KVCacheManager
 from engine_service.model_runner import (
     ModelRunner,
@@ -24,6 +27,7 @@ from engine_service.outputs import (
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
+    IterationStats,
 )
 from engine_service.request import Request
 from engine_service.sampling_params import InvalidRequestError
@@ -39,20 +43,32 @@ class EngineCore:
     ``EngineCoreLoop`` (core_loop.py) puts a thread and queues around it for services.
     """
 
-    def __init__(self, config: EngineConfig, engine_index: int = 0) -> None:
+    def __init__(self, config: EngineConfig, engine_index: int = 0, tracer: Any = None) -> None:
+        """``tracer``: an OpenTelemetry tracer to record the start-up phases (model load,
+        KV-cache sizing and allocation) as spans under the current span; None: no spans."""
         if not config.model:
             raise ConfigError("EngineConfig.model is required: a checkpoint directory")
         self.config = config
         self.engine_index = engine_index
-        if config.num_threads is not None and config.torch_device.type == "cpu":
-            torch.set_num_threads(config.num_threads)
+        if config.torch_device.type == "cpu":
+            keep_freed_memory_mapped()
+            if config.num_threads is not None:
+                torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
 
         start = time.perf_counter()
         ops = get_ops(config.resolved_attention_backend)
-        self.model, self.model_config = load_model(
-            config.model, config.torch_dtype, config.torch_device, ops
-        )
+        with _phase(tracer, "load_model") as span:
+            self.model, self.model_config = load_model(
+                config.model, config.torch_dtype, config.torch_device, ops
+            )
+            if span is not None:
+                span.set_attributes({
+                    "tandem.model": config.model,
+                    "tandem.architecture": self.model_config.architecture,
+                    "tandem.dtype": str(config.torch_dtype).removeprefix("torch."),
+                    "tandem.device": str(config.torch_device),
+                })
         self.max_model_len = self._resolve_max_model_len(self.model_config)
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(
@@ -60,10 +76,18 @@ class EngineCore:
                 f"max_model_len={self.max_model_len}; without chunked prefill a long prompt "
                 "could never be scheduled"
             )
-        self.num_blocks = self._num_kv_blocks()
-        kv_caches = allocate_kv_caches(
-            self.model_config, self.num_blocks, config.block_size, config.torch_dtype, config.torch_device
-        )
+        with _phase(tracer, "allocate_kv_cache") as span:
+            self.num_blocks = self._num_kv_blocks()
+            kv_caches = allocate_kv_caches(
+                self.model_config, self.num_blocks, config.block_size, config.torch_dtype, config.torch_device
+            )
+            if span is not None:
+                span.set_attributes({
+                    "tandem.kv_cache.num_blocks": self.num_blocks,
+                    "tandem.kv_cache.block_size": config.block_size,
+                    "tandem.kv_cache.bytes": self.num_blocks
+                    * kv_cache_block_bytes(self.model_config, config.block_size, config.torch_dtype),
+                })
         self.kv_manager = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv_manager,
@@ -215,7 +239,8 @@ class EngineCore:
                     finish_reason=request.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
-                    trace_headers=request.trace_headers,
+                    # Echoed once, on the final output (not on every step).
+                    trace_headers=request.trace_headers if request.finish_reason is not None else None,
                 )
             )
         for request in self._aborted:
@@ -228,12 +253,15 @@ class EngineCore:
                 )
             )
         done = {r.request_id for r in finished} | {r.request_id for r in self._aborted}
+        num_prompt_tokens, num_generation_tokens = self.scheduler.take_token_counts()
+        iteration = IterationStats(num_prompt_tokens, num_generation_tokens, finished + self._aborted)
         self._aborted = []
         return EngineCoreOutputs(
             engine_index=self.engine_index,
             outputs=outputs,
             scheduler_stats=self.scheduler.stats(),
             finished_requests=done or None,
+            iteration_stats=iteration,
         )
 
     def take_abort_outputs(self) -> EngineCoreOutputs | None:
@@ -241,3 +269,10 @@ class EngineCore:
         if not self._aborted:
             return None
         return self._make_outputs(SchedulerOutput(), RunnerOutput(), [])
+
+
+def _phase(tracer: Any, name: str) -> contextlib.AbstractContextManager[Any]:
+    """A span named ``name`` under the current span, or nothing without a tracer."""
+    if tracer is None:
+        return contextlib.nullcontext()
+    return tracer.start_as_current_span(name)

@@ -40,15 +40,14 @@ def reshape_and_cache(
     flat_v[slots] = value[valid].to(flat_v.dtype)
 
 
-def _gather_kv(
+def _gather_blocks(
     cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-    block_table: torch.Tensor,  # [max_blocks] int32
-    seq_len: int,
-) -> torch.Tensor:  # [seq_len, num_kv_heads, head_dim]
-    block_size = cache.shape[1]
-    num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = cache[block_table[:num_blocks].long()]  # [n, block_size, kvh, d]
-    return blocks.flatten(0, 1)[:seq_len]
+    block_ids: torch.Tensor,  # [n] int64
+) -> torch.Tensor:  # [n * block_size, num_kv_heads, head_dim], a fresh copy
+    # index_select on [num_blocks, block_size * kvh * d] rows copies whole blocks at
+    # memcpy speed; advanced indexing of the 4-D tensor is several times slower.
+    rows = torch.index_select(cache.view(cache.shape[0], -1), 0, block_ids)
+    return rows.view(-1, cache.shape[2], cache.shape[3])
 
 
 def paged_attention(
@@ -66,13 +65,11 @@ def paged_attention(
     Decode sequences (one query token) are computed together as one padded batch;
     each prefill chunk is computed on its own. Softmax runs in float32.
     """
-    num_heads = query.shape[1]
-    num_kv_heads = key_cache.shape[2]
-    group = num_heads // num_kv_heads
     if out is None:
         out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
+    block_size = key_cache.shape[1]
     decode_idx: list[int] = []
     for s, seq_len in enumerate(lens):
         q_start, q_end = starts[s], starts[s + 1]
@@ -82,19 +79,20 @@ def paged_attention(
         if q_len == 1:
             decode_idx.append(s)
             continue
-        k = _gather_kv(key_cache, block_tables[s], seq_len)
-        v = _gather_kv(value_cache, block_tables[s], seq_len)
-        q = query[q_start:q_end]
+        blocks = block_tables[s, : (seq_len + block_size - 1) // block_size].long()
+        k = _gather_blocks(key_cache, blocks)[:seq_len]  # [seq_len, kvh, d]
+        v = _gather_blocks(value_cache, blocks)[:seq_len]
         # Query i sits at position seq_len - q_len + i and sees keys 0..that position.
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         k_pos = torch.arange(seq_len, device=query.device)
         mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
         o = F.scaled_dot_product_attention(
-            q.transpose(0, 1).float(),  # [num_heads, q_len, head_dim]
-            k.transpose(0, 1).float().repeat_interleave(group, dim=0),
-            v.transpose(0, 1).float().repeat_interleave(group, dim=0),
+            query[q_start:q_end].transpose(0, 1).float(),  # [num_heads, q_len, head_dim]
+            k.transpose(0, 1).float(),  # [kvh, seq_len, head_dim]
+            v.transpose(0, 1).float(),
             attn_mask=mask,
             scale=scale,
+            enable_gqa=True,
         )
         out[q_start:q_end] = o.transpose(0, 1).to(out.dtype)
     if decode_idx:
@@ -120,25 +118,28 @@ def _decode_attention(
     num_heads = query.shape[1]
     group = num_heads // num_kv_heads
     device = query.device
+    b = len(seqs)
     seq_idx = torch.tensor(seqs, device=device)
     tok_idx = torch.tensor([starts[s] for s in seqs], device=device)
     ctx = torch.tensor([lens[s] for s in seqs], device=device)  # [b]
-    max_len = max(lens[s] for s in seqs)
-    max_blocks = (max_len + block_size - 1) // block_size
-    tables = block_tables[seq_idx, :max_blocks].long()  # [b, max_blocks]
-    b = len(seqs)
-    k = key_cache[tables].view(b, max_blocks * block_size, num_kv_heads, head_dim)[:, :max_len]
-    v = value_cache[tables].view(b, max_blocks * block_size, num_kv_heads, head_dim)[:, :max_len]
-    q = query[tok_idx].float().view(b, num_kv_heads, group, head_dim)
-    # scores: [b, kv_heads, group, max_len]
-    scores = torch.einsum("bhgd,bthd->bhgt", q, k.float()) * scale
-    valid = torch.arange(max_len, device=device)[None, :] < ctx[:, None]  # [b, max_len]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    max_blocks = (max(lens[s] for s in seqs) + block_size - 1) // block_size
+    padded = max_blocks * block_size
+    blocks = block_tables[seq_idx, :max_blocks].long().flatten()  # [b * max_blocks]
+    k = _gather_blocks(key_cache, blocks).view(b, padded, num_kv_heads, head_dim)
+    v = _gather_blocks(value_cache, blocks).view(b, padded, num_kv_heads, head_dim)
+    valid = torch.arange(padded, device=device)[None, :] < ctx[:, None]  # [b, padded]
     # Rows past a sequence's length are unwritten cache memory: a probability of 0 times
-    # a NaN there would still be NaN, so zero those V rows.
-    v = v.masked_fill(~valid[:, :, None, None], 0)
-    o = torch.einsum("bhgt,bthd->bhgd", probs, v.float())
+    # a NaN there would still be NaN, so zero them (in place: k and v are our copies).
+    pad = ~valid[:, :, None, None]
+    k.masked_fill_(pad, 0)
+    v.masked_fill_(pad, 0)
+    o = F.scaled_dot_product_attention(
+        query[tok_idx].float().view(b, num_kv_heads, group, head_dim),  # group as "q_len"
+        k.transpose(1, 2).float(),  # [b, kvh, padded, d]
+        v.transpose(1, 2).float(),
+        attn_mask=valid[:, None, None, :],
+        scale=scale,
+    )
     out[tok_idx] = o.reshape(b, num_heads, head_dim).to(out.dtype)
 
 

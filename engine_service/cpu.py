@@ -1,0 +1,35 @@
+"""CPU process settings for the engine."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+
+logger = logging.getLogger(__name__)
+
+# glibc mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+
+def keep_freed_memory_mapped() -> bool:
+    """Stop glibc from returning large freed blocks to the OS after every step.
+
+    By default glibc serves allocations above a few MiB with fresh mmap()s and unmaps
+    them on free, so every step's large activations and KV gathers page-fault anew
+    (measured here: a 35 MB tensor copy took 34 ms with the default, 12 ms with this).
+    Returns False where glibc's mallopt is not available (e.g. musl).
+    """
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        ok = libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30) == 1
+        ok = libc.mallopt(_M_TRIM_THRESHOLD, 1 << 31) == 1 and ok
+    except (OSError, AttributeError):
+        return False
+    if not ok:
+        logger.debug("mallopt refused the thresholds; keeping glibc's defaults")
+    return ok
