@@ -1,0 +1,235 @@
+"""Helpers shared by the benchmarks: checkpoints, workloads, timing and tables.
+
+Nothing here imports torch or transformers at module level, so a benchmark can set
+thread-count environment variables before the first torch import.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+# make_model gives special tokens the first ids (pad, bos, eos, im_start, im_end):
+# random prompts start above them so that no prompt contains a control token.
+FIRST_ORDINARY_TOKEN = 5
+
+
+def repo_root() -> str:
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def ensure_repo_on_path() -> None:
+    """Make ``engine_service`` importable when a benchmark runs as a plain script."""
+    root = repo_root()
+    if root not in sys.path:
+        sys.path.insert(0, root)
+
+
+# ---- checkpoints ---------------------------------------------------------------------------
+
+
+def cache_dir() -> str:
+    """``$TANDEM_CACHE_DIR``, else ``~/.cache/tandem``."""
+    return os.environ.get("TANDEM_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "tandem"
+    )
+
+
+def cached_model(preset: str, arch: str = "llama", seed: int = 0, root: str | None = None) -> str:
+    """Path of a random-weight checkpoint made by ``make_model``, built on first use.
+
+    The directory name carries preset, arch and seed; a checkpoint is built in a
+    staging directory and renamed into place, so a half-written one is never used.
+    """
+    ensure_repo_on_path()
+    from engine_service.make_model import make_model
+
+    root = root or cache_dir()
+    name = preset if (arch, seed) == ("llama", 0) else f"{preset}-{arch}-seed{seed}"
+    final = os.path.join(root, name)
+    if _is_checkpoint(final):
+        return final
+    os.makedirs(root, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{name}-", dir=root)
+    try:
+        os.chmod(staging, 0o755)  # mkdtemp makes it private; a cache is for everyone
+        make_model(staging, arch=arch, preset=preset, seed=seed)  # type: ignore[arg-type]
+        try:
+            os.replace(staging, final)
+        except OSError:  # another process won the race, or a stale directory is there
+            if not _is_checkpoint(final):
+                raise
+    finally:
+        if os.path.isdir(staging):
+            shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+def _is_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "config.json")) and any(
+        name.endswith(".safetensors") for name in _listdir(path)
+    )
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def read_model_config(model_dir: str) -> dict[str, Any]:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f)
+
+
+# ---- workloads -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Prompts of random token ids and the number of output tokens each request wants."""
+
+    prompts: list[list[int]]
+    max_tokens: list[int]
+    seed: int
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.max_tokens)
+
+    @property
+    def longest(self) -> int:
+        return max(len(p) + n for p, n in zip(self.prompts, self.max_tokens))
+
+    def subset(self, indices: Sequence[int]) -> Workload:
+        return Workload(
+            [self.prompts[i] for i in indices], [self.max_tokens[i] for i in indices], self.seed
+        )
+
+
+def make_workload(
+    num_requests: int,
+    prompt_len: tuple[int, int],
+    output_len: tuple[int, int],
+    vocab_size: int,
+    seed: int = 0,
+) -> Workload:
+    """``num_requests`` requests, lengths uniform in the closed ranges, ids uniform over
+    the ordinary (non-special) tokens of the vocabulary. Same arguments, same workload."""
+    for name, (lo, hi) in (("prompt", prompt_len), ("output", output_len)):
+        if not 1 <= lo <= hi:
+            raise ValueError(f"{name} length range must satisfy 1 <= min <= max, got {lo}..{hi}")
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+    if vocab_size <= FIRST_ORDINARY_TOKEN:
+        raise ValueError(f"vocab_size {vocab_size} leaves no ordinary tokens")
+    rng = random.Random(seed)
+    prompts, max_tokens = [], []
+    for _ in range(num_requests):
+        n = rng.randint(*prompt_len)
+        prompts.append([rng.randrange(FIRST_ORDINARY_TOKEN, vocab_size) for _ in range(n)])
+        max_tokens.append(rng.randint(*output_len))
+    return Workload(prompts, max_tokens, seed)
+
+
+# ---- measurement -------------------------------------------------------------------------------
+
+
+@dataclass
+class Measurement:
+    """One system's run over a workload."""
+
+    system: str
+    output_tokens: int  # tokens the requests asked for and got
+    seconds: float
+    raw_tokens: int | None = None  # tokens actually generated, padding waste included
+    cpu_seconds: float | None = None  # process CPU time (all threads) over the same span
+
+    @property
+    def cpu_per_wall(self) -> float | None:
+        """CPUs kept busy on average; well below the thread count means contention."""
+        if self.cpu_seconds is None or self.seconds <= 0:
+            return None
+        return self.cpu_seconds / self.seconds
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "system": self.system,
+            "output_tokens": self.output_tokens,
+            "raw_tokens": self.raw_tokens,
+            "seconds": self.seconds,
+            "output_tokens_per_s": self.tokens_per_s,
+            "cpu_seconds": self.cpu_seconds,
+        }
+
+
+@dataclass(frozen=True)
+class Timing:
+    seconds: float  # wall clock
+    cpu_seconds: float  # this process, all threads
+
+
+def timed(fn: Callable[[], T]) -> tuple[T, Timing]:
+    """Run ``fn`` once; return its result, the wall-clock seconds and the process CPU
+    seconds it took."""
+    cpu, start = time.process_time(), time.perf_counter()
+    result = fn()
+    return result, Timing(time.perf_counter() - start, time.process_time() - cpu)
+
+
+def load_average() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+# ---- output ---------------------------------------------------------------------------------------
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain-text table: text columns left-aligned, numbers right-aligned."""
+    cells = [[_cell(v) for v in row] for row in rows]
+    numeric = [
+        all(isinstance(row[i], int | float) or row[i] is None for row in rows) if rows else False
+        for i in range(len(headers))
+    ]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+
+    def line(values: Sequence[str]) -> str:
+        parts = [v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)]
+        return "  ".join(parts).rstrip()
+
+    out = [line(list(headers)), line(["-" * w for w in widths])]
+    out.extend(line(r) for r in cells)
+    return "\n".join(out)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return str(value)

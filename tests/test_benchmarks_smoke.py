@@ -1,0 +1,72 @@
+"""The offline throughput benchmark runs end to end in --smoke mode (no timing asserts)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "offline_throughput.py"
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    tmp = tmp_path_factory.mktemp("bench")
+    out = tmp / "result.json"
+    env = dict(os.environ, TANDEM_CACHE_DIR=str(tmp / "cache"))
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--smoke", "--json", str(out)],
+        cwd=tmp,  # not the repo root: the script must find its own imports
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    return proc.stdout, json.loads(out.read_text())
+
+
+def test_json_has_all_three_systems(smoke_run: tuple[str, dict]) -> None:
+    _, doc = smoke_run
+    wanted = doc["workload"]["output_tokens"]
+    assert wanted > 0
+    tandem = doc["tandem"]
+    static = doc["hf_generate"]
+    cb = doc["hf_continuous_batching"]
+    for result in [tandem, *static["per_batch_size"], static["best"], cb]:
+        assert result["output_tokens"] == wanted, result
+        assert result["seconds"] > 0
+        assert result["output_tokens_per_s"] > 0
+    # Static batches pad: they generate at least what was asked for.
+    assert all(r["raw_tokens"] >= wanted for r in static["per_batch_size"])
+    assert len(static["per_batch_size"]) == 2
+    assert doc["torch_threads"] >= 1
+    assert cb["config"]["num_blocks"] > 0
+
+
+def test_parity_and_agreement(smoke_run: tuple[str, dict]) -> None:
+    stdout, doc = smoke_run
+    assert doc["parity"]["ok"], doc["parity"]
+    assert "parity: ok" in stdout
+    n = doc["workload"]["num_requests"]
+    # Reported for each HF run as "same/total"; batched numerics may differ, so no equality.
+    agreement = doc["token_agreement_with_tandem"]
+    assert len(agreement) == 3
+    assert all(v.endswith(f"/{n}") for v in agreement.values())
+
+
+def test_table_lists_every_system(smoke_run: tuple[str, dict]) -> None:
+    stdout, _ = smoke_run
+    for name in (
+        "Tandem EngineCore",
+        "HF generate() bs=2",
+        "HF generate() best",
+        "HF generate_batch() CB",
+    ):
+        assert name in stdout, stdout
+    assert "torch threads:" in stdout
