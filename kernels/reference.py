@@ -130,9 +130,10 @@ def _decode_attention(
     valid = torch.arange(padded, device=device)[None, :] < ctx[:, None]  # [b, padded]
     # Rows past a sequence's length are unwritten cache memory: a probability of 0 times
     # a NaN there would still be NaN, so zero them (in place: k and v are our copies).
-    pad = ~valid[:, :, None, None]
-    k.masked_fill_(pad, 0)
-    v.masked_fill_(pad, 0)
+    # Only the padding rows are written: [num_pad_rows] indices into [b * padded] rows.
+    pad_rows = (~valid).flatten().nonzero().squeeze(1)
+    k.view(b * padded, -1)[pad_rows] = 0
+    v.view(b * padded, -1)[pad_rows] = 0
     o = F.scaled_dot_product_attention(
         query[tok_idx].float().view(b, num_kv_heads, group, head_dim),  # group as "q_len"
         k.transpose(1, 2).float(),  # [b, kvh, padded, d]
