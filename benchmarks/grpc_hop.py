@@ -1,8 +1,9 @@
 """What the gRPC split costs.
 
 1. Serialization: encode + decode of one engine step's EngineCoreOutputs for N requests
-   (one new token each), as Protobuf (our tandem.v1 messages, via engine_service.convert)
-   and as msgspec array-like Structs shaped like vLLM's.
+   (one new token each), domain objects -> bytes -> domain objects, as Protobuf (our
+   tandem.v1 messages, via engine_service.convert) and as msgspec array-like Structs
+   shaped like vLLM's.
 2. Full stack vs in-process: the same workload through ``tandem serve`` (client ->
    frontend -> engine over gRPC) and through the in-process ``LLM``; output tokens/s
    and their ratio.
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 import msgspec
 
@@ -61,35 +63,74 @@ def _median_us(fn, repeats: int) -> float:  # type: ignore[no-untyped-def]
     return times[len(times) // 2] * 1e6
 
 
+def _interleaved_medians_us(fns: dict[str, Any], repeats: int) -> dict[str, float]:
+    """Median time of each function, run in turn so that load changes hit all alike."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: sorted(t)[len(t) // 2] * 1e6 for name, t in times.items()}
+
+
 def bench_serialization(num_requests: int, repeats: int) -> dict[str, float]:
+    """The per-step cost of the hop for a decode step of ``num_requests`` requests
+    (one new token each): the engine turns its domain outputs into bytes, the frontend
+    turns the bytes back into domain outputs. Both sides start from objects that exist
+    anyway (the scheduler's outputs; the received bytes), so building those is not
+    timed; msgspec gets the same: encode Structs, decode into Structs."""
     ids = [f"req-{i:06d}-{random.getrandbits(32):08x}" for i in range(num_requests)]
     tokens = [random.randrange(50_000) for _ in range(num_requests)]
-    stats = SchedulerStats(num_running_reqs=num_requests, kv_cache_usage=0.42)
+    outs = EngineCoreOutputs(
+        outputs=[EngineCoreOutput(rid, [t]) for rid, t in zip(ids, tokens)],
+        scheduler_stats=SchedulerStats(num_running_reqs=num_requests, kv_cache_usage=0.42),
+    )
+    parse = convert.engine_pb2.EngineCoreOutputs.FromString
 
-    def proto_roundtrip() -> None:
-        # The engine builds domain outputs, converts, serializes; the frontend parses
-        # and converts back: the whole per-step cost on both sides of the hop.
-        outs = EngineCoreOutputs(
-            outputs=[EngineCoreOutput(rid, [t]) for rid, t in zip(ids, tokens)],
-            scheduler_stats=stats,
-        )
-        data = convert.engine_core_outputs_to_proto(outs).SerializeToString()
-        msg = convert.engine_pb2.EngineCoreOutputs.FromString(data)
-        convert.engine_core_outputs_from_proto(msg)
+    def proto_encode() -> bytes:
+        return convert.engine_core_outputs_to_proto(outs).SerializeToString()
+
+    proto_data = proto_encode()
+
+    def proto_decode() -> EngineCoreOutputs:
+        return convert.engine_core_outputs_from_proto(parse(proto_data))
 
     encoder = msgspec.msgpack.Encoder()
     decoder = msgspec.msgpack.Decoder(MsgOutputs)
+    msg_outs = MsgOutputs(
+        outputs=[MsgOutput(rid, [t]) for rid, t in zip(ids, tokens)],
+        scheduler_stats=MsgStats(num_requests, 0, 0.42),
+    )
+    msg_data = encoder.encode(msg_outs)
 
-    def msgspec_roundtrip() -> None:
-        outs = MsgOutputs(
-            outputs=[MsgOutput(rid, [t]) for rid, t in zip(ids, tokens)],
-            scheduler_stats=MsgStats(num_requests, 0, 0.42),
-        )
-        decoder.decode(encoder.encode(outs))
+    def msgspec_encode() -> bytes:
+        return encoder.encode(msg_outs)
 
-    proto_us = _median_us(proto_roundtrip, repeats)
-    msgspec_us = _median_us(msgspec_roundtrip, repeats)
-    return {"protobuf_us": proto_us, "msgspec_us": msgspec_us, "ratio": proto_us / msgspec_us}
+    def msgspec_decode() -> MsgOutputs:
+        return decoder.decode(msg_data)
+
+    assert convert.engine_core_outputs_from_proto(parse(proto_data)) == outs
+    assert decoder.decode(msg_data) == msg_outs
+    t = _interleaved_medians_us(
+        {
+            "protobuf_encode_us": proto_encode,
+            "protobuf_decode_us": proto_decode,
+            "msgspec_encode_us": msgspec_encode,
+            "msgspec_decode_us": msgspec_decode,
+        },
+        repeats,
+    )
+    proto_us = t["protobuf_encode_us"] + t["protobuf_decode_us"]
+    msgspec_us = t["msgspec_encode_us"] + t["msgspec_decode_us"]
+    return {
+        **t,
+        "protobuf_us": proto_us,
+        "msgspec_us": msgspec_us,
+        "ratio": proto_us / msgspec_us,
+        "protobuf_bytes": len(proto_data),
+        "msgspec_bytes": len(msg_data),
+    }
 
 
 def _free_port() -> int:
@@ -187,10 +228,15 @@ def main() -> int:
     args = ap.parse_args()
     random.seed(0)
 
-    ser = bench_serialization(args.serialize_requests, repeats=20 if args.smoke else 200)
-    print(f"EngineCoreOutputs, {args.serialize_requests} requests, encode+decode (median):")
-    print(f"  protobuf (tandem.v1 + convert) {ser['protobuf_us']:9.1f} us")
-    print(f"  msgspec (vLLM-shaped structs)  {ser['msgspec_us']:9.1f} us   ratio {ser['ratio']:.2f}x")
+    ser = bench_serialization(args.serialize_requests, repeats=200 if args.smoke else 1000)
+    print(f"EngineCoreOutputs, {args.serialize_requests} requests x 1 token, domain -> bytes -> domain"
+          " (median):")
+    print(f"  protobuf (tandem.v1 + convert) {ser['protobuf_us']:7.1f} us"
+          f" (encode {ser['protobuf_encode_us']:.1f} + decode {ser['protobuf_decode_us']:.1f},"
+          f" {ser['protobuf_bytes']} B)")
+    print(f"  msgspec (vLLM-shaped structs)  {ser['msgspec_us']:7.1f} us"
+          f" (encode {ser['msgspec_encode_us']:.1f} + decode {ser['msgspec_decode_us']:.1f},"
+          f" {ser['msgspec_bytes']} B)   ratio {ser['ratio']:.2f}x")
 
     model = args.model
     if args.smoke:

@@ -14,6 +14,10 @@ Mapping rules, where the two sides differ:
 - ``RequestOutputKind`` is shifted by one on the wire (0 is OUTPUT_KIND_UNSPECIFIED,
   read as CUMULATIVE). ``FinishReason`` values are equal on both sides, 0 = None.
 - Logprobs are float32 on the wire: values read back rounded to float32.
+- EngineCoreOutputs: outputs with nothing but new tokens and a cached-token count
+  travel in ``token_columns`` (flat packed arrays), the others as EngineCoreOutput
+  messages; the reader returns the column ones first, so the order of a step's
+  outputs is kept within each group only.
 - Fields that only exist on the wire (EngineCoreRequest.data_parallel_rank,
   pooling_params, EngineCoreOutputs.engine_dead) have keyword arguments or raise;
   they have no domain twin.
@@ -25,7 +29,8 @@ wrong raise ``InvalidRequestError`` (gRPC INVALID_ARGUMENT).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from itertools import chain
+from itertools import accumulate, chain, compress, repeat
+from operator import attrgetter, not_
 from typing import Any
 
 from engine_service.outputs import (
@@ -63,6 +68,8 @@ __all__ = [
     "sampling_params_to_proto",
     "scheduler_stats_from_proto",
     "scheduler_stats_to_proto",
+    "token_columns_from_proto",
+    "token_columns_to_proto",
     "utility_call_from_proto",
     "utility_call_to_proto",
     "utility_input",
@@ -441,12 +448,86 @@ def scheduler_stats_from_proto(msg: engine_pb2.SchedulerStats) -> SchedulerStats
     )
 
 
+# The fields an output must have unset (None) to travel in TokenColumns. An empty
+# trace_headers dict does not count as unset here; it goes the detailed way and
+# reads back as None, as it always did.
+_detail_fields = attrgetter(
+    "new_logprobs", "new_prompt_logprobs", "finish_reason", "stop_reason", "trace_headers"
+)
+_NO_DETAILS = (None,) * 5
+_request_ids = attrgetter("request_id")
+_new_token_ids = attrgetter("new_token_ids")
+_num_cached_tokens = attrgetter("num_cached_tokens")
+# Positional None for the EngineCoreOutput fields between new_token_ids and
+# num_cached_tokens (new_logprobs, new_prompt_logprobs, finish_reason, stop_reason).
+_NONE_ARGS = (repeat(None),) * 4
+
+
+def _split_plain(
+    outputs: list[EngineCoreOutput],
+) -> tuple[list[EngineCoreOutput], list[EngineCoreOutput]]:
+    """(column-eligible outputs, the others), each in the original order."""
+    details = list(map(_detail_fields, outputs))
+    num_plain = details.count(_NO_DETAILS)  # C-level comparisons, no Python loop
+    if num_plain == len(outputs):
+        return outputs, []
+    if num_plain == 0:
+        return [], outputs
+    mask = [d == _NO_DETAILS for d in details]
+    return list(compress(outputs, mask)), list(compress(outputs, map(not_, mask)))
+
+
+def token_columns_to_proto(outputs: list[EngineCoreOutput]) -> engine_pb2.TokenColumns:
+    """Columns of outputs that carry only new tokens and a cached-token count (the
+    caller checks that). One-token-each and all-zero columns are sent empty."""
+    n = len(outputs)
+    tokens = list(map(_new_token_ids, outputs))
+    counts = list(map(len, tokens))
+    cached = list(map(_num_cached_tokens, outputs))
+    return engine_pb2.TokenColumns(
+        request_ids=list(map(_request_ids, outputs)),
+        num_new_tokens=None if counts.count(1) == n else counts,
+        new_token_ids=list(chain.from_iterable(tokens)),
+        num_cached_tokens=None if cached.count(0) == n else cached,
+    )
+
+
+def token_columns_from_proto(msg: engine_pb2.TokenColumns) -> list[EngineCoreOutput]:
+    """Raises ConversionError when the columns' lengths disagree."""
+    request_ids = msg.request_ids
+    n = len(request_ids)
+    tokens = msg.new_token_ids
+    counts = msg.num_new_tokens
+    if not counts:
+        if len(tokens) != n:
+            raise ConversionError(f"TokenColumns: {n} requests but {len(tokens)} tokens")
+        new_token_ids = [[t] for t in tokens]
+    else:
+        tokens = list(tokens)
+        ends = list(accumulate(counts))
+        if len(ends) != n or ends[-1] != len(tokens):
+            raise ConversionError(
+                f"TokenColumns: {n} requests, {len(ends)} token counts summing to "
+                f"{ends[-1]}, {len(tokens)} tokens"
+            )
+        new_token_ids = list(map(tokens.__getitem__, map(slice, [0, *ends], ends)))
+    cached = msg.num_cached_tokens
+    if not cached:
+        return list(map(EngineCoreOutput, request_ids, new_token_ids))
+    if len(cached) != n:
+        raise ConversionError(f"TokenColumns: {n} requests but {len(cached)} cached counts")
+    return list(map(EngineCoreOutput, request_ids, new_token_ids, *_NONE_ARGS, cached))
+
+
 def engine_core_outputs_to_proto(outs: EngineCoreOutputs) -> engine_pb2.EngineCoreOutputs:
+    """Outputs with only new tokens go into token_columns, the rest into outputs."""
     stats = outs.scheduler_stats
     utility = outs.utility_output
+    plain, detailed = _split_plain(outs.outputs)
     return engine_pb2.EngineCoreOutputs(
         engine_index=outs.engine_index,
-        outputs=[engine_core_output_to_proto(o) for o in outs.outputs],
+        outputs=[engine_core_output_to_proto(o) for o in detailed],
+        token_columns=token_columns_to_proto(plain) if plain else None,
         scheduler_stats=None if stats is None else scheduler_stats_to_proto(stats),
         timestamp=outs.timestamp,
         utility_output=None if utility is None else utility_output_to_proto(utility),
@@ -455,13 +536,17 @@ def engine_core_outputs_to_proto(outs: EngineCoreOutputs) -> engine_pb2.EngineCo
 
 
 def engine_core_outputs_from_proto(msg: engine_pb2.EngineCoreOutputs) -> EngineCoreOutputs:
-    """Raises EngineDeadError if the message is the engine-dead signal."""
+    """Raises EngineDeadError if the message is the engine-dead signal. The outputs
+    are those of token_columns followed by the detailed ones."""
     has = msg.HasField
     if has("engine_dead"):
         raise EngineDeadError(msg.engine_index, msg.engine_dead.message)
+    outputs = token_columns_from_proto(msg.token_columns) if has("token_columns") else []
+    if msg.outputs:
+        outputs.extend(map(engine_core_output_from_proto, msg.outputs))
     return EngineCoreOutputs(
         engine_index=msg.engine_index,
-        outputs=[engine_core_output_from_proto(o) for o in msg.outputs],
+        outputs=outputs,
         scheduler_stats=(
             scheduler_stats_from_proto(msg.scheduler_stats) if has("scheduler_stats") else None
         ),

@@ -40,6 +40,9 @@ class EngineCoreRequest:
     client_index: int = 0
     external_req_id: str | None = None
     trace_headers: dict[str, str] | None = None
+    # Engine-local, never sent: time.monotonic() when the engine service received it
+    # (None: when the core got it). Queue time counts from here.
+    received_time: float | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -93,6 +96,19 @@ class SchedulerStats:
 
 
 @dataclass
+class IterationStats:
+    """Engine-local, never sent: what one step did, for metrics, the stats log and tracing."""
+
+    # Prompt tokens of the requests that produced their first token this step.
+    num_prompt_tokens: int = 0
+    # Tokens sampled this step.
+    num_generation_tokens: int = 0
+    # The requests that finished this step (aborts included): engine_service.request.Request
+    # objects the core no longer touches, with their RequestTimes filled in.
+    finished: list[Any] = field(default_factory=list)
+
+
+@dataclass
 class UtilityOutput:
     """The answer to a utility call: a result or a failure message."""
 
@@ -111,3 +127,4 @@ class EngineCoreOutputs:
     timestamp: float = field(default_factory=time.monotonic)
     utility_output: UtilityOutput | None = None
     finished_requests: set[str] | None = None
+    iteration_stats: IterationStats | None = field(default=None, compare=False)  # engine-local

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from typing import Any
 
 import torch
@@ -16,6 +17,82 @@ class RequestStatus(enum.Enum):
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED = enum.auto()
+
+
+class RequestTimes:
+    """When things happened to one request in this engine, for metrics and tracing.
+
+    Times are ``time.monotonic()`` seconds, taken by the scheduler as events happen (once
+    per step, not per request); ``wall()`` maps one to epoch seconds through the
+    wall-clock offset sampled when the request arrived. Prefill chunks are recorded
+    until the first token (recompute after a preemption is not a prefill chunk).
+    """
+
+    __slots__ = (
+        "arrival",
+        "finished",
+        "first_scheduled",
+        "first_token",
+        "preemptions",
+        "prefill_chunks",
+        "wall_offset",
+    )
+
+    def __init__(self, arrival: float | None = None) -> None:
+        now = time.monotonic()
+        self.wall_offset = time.time() - now
+        self.arrival = now if arrival is None else arrival
+        self.first_scheduled: float | None = None
+        self.first_token: float | None = None
+        self.finished: float | None = None
+        self.prefill_chunks: list[tuple[float, float, int]] = []  # (start, end, tokens)
+        self.preemptions: list[float] = []
+
+    def wall(self, t: float) -> float:
+        """A monotonic time of this request as epoch seconds."""
+        return t + self.wall_offset
+
+    @property
+    def queue_time(self) -> float | None:
+        """Arrival -> first scheduled."""
+        if self.first_scheduled is None:
+            return None
+        return self.first_scheduled - self.arrival
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        """Arrival -> first token (as seen inside the engine)."""
+        if self.first_token is None:
+            return None
+        return self.first_token - self.arrival
+
+    @property
+    def prefill_time(self) -> float | None:
+        """First scheduled -> first token."""
+        if self.first_token is None or self.first_scheduled is None:
+            return None
+        return self.first_token - self.first_scheduled
+
+    @property
+    def decode_time(self) -> float | None:
+        """First token -> finish."""
+        if self.first_token is None or self.finished is None:
+            return None
+        return self.finished - self.first_token
+
+    @property
+    def inference_time(self) -> float | None:
+        """First scheduled -> finish."""
+        if self.first_scheduled is None or self.finished is None:
+            return None
+        return self.finished - self.first_scheduled
+
+    @property
+    def e2e_time(self) -> float | None:
+        """Arrival -> finish."""
+        if self.finished is None:
+            return None
+        return self.finished - self.arrival
 
 
 class Request:
@@ -37,6 +114,7 @@ class Request:
         cache_salt: str | None = None,
         client_index: int = 0,
         trace_headers: dict[str, str] | None = None,
+        received_time: float | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -47,6 +125,8 @@ class Request:
         self.cache_salt = cache_salt
         self.client_index = client_index
         self.trace_headers = trace_headers
+        # Engine-side timestamps; arrival is when the engine service received it.
+        self.times = RequestTimes(received_time)
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
@@ -80,6 +160,7 @@ class Request:
             cache_salt=req.cache_salt,
             client_index=req.client_index,
             trace_headers=req.trace_headers,
+            received_time=req.received_time,
         )
 
     @property

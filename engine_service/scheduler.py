@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -92,6 +93,12 @@ class Scheduler:
         self.waiting = WaitingQueue(policy)
         self.running: list[Request] = []
         self._num_preemptions = 0
+        # Per-step token counts for IterationStats (taken and reset by the core).
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+        # time.monotonic() at the start of the current schedule(): the time stamp of the
+        # scheduling events (first scheduled, preemption, prefill chunk start) of this step.
+        self._step_start = time.monotonic()
 
     # ---- request lifecycle -------------------------------------------------
 
@@ -104,6 +111,7 @@ class Scheduler:
     def finish_requests(self, request_ids: list[str], reason: FinishReason) -> list[Request]:
         """End requests in any state (abort) and free their blocks; unknown ids are ignored."""
         done = []
+        now = time.monotonic()
         for rid in request_ids:
             request = self.requests.get(rid)
             if request is None or request.is_finished:
@@ -112,11 +120,14 @@ class Scheduler:
                 self.running.remove(request)
             else:
                 self.waiting.remove(request)
-            self._finish(request, reason)
+            self._finish(request, reason, now=now)
             done.append(request)
         return done
 
-    def _finish(self, request: Request, reason: FinishReason, stop_reason: int | None = None) -> None:
+    def _finish(
+        self, request: Request, reason: FinishReason, stop_reason: int | None = None, *, now: float
+    ) -> None:
+        request.times.finished = now
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
@@ -138,6 +149,7 @@ class Scheduler:
         # while budget, sequence slots and KV blocks allow. When blocks run out, the
         # lowest-priority running request is preempted and recomputed later.
         out = SchedulerOutput()
+        self._step_start = time.monotonic()
         budget = self.max_num_batched_tokens
         for request in list(self.running):
             if budget <= 0:
@@ -189,6 +201,8 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
+            if request.times.first_scheduled is None:
+                request.times.first_scheduled = self._step_start
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, n))
             budget -= n
@@ -204,6 +218,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        request.times.preemptions.append(self._step_start)
         request.prompt_logprobs_chunks.clear()  # recomputed with the prompt
         self._num_preemptions += 1
         out.preempted_ids.append(request.request_id)
@@ -220,20 +235,35 @@ class Scheduler:
         requests that finished this step (already removed and freed).
         """
         finished = []
+        now = time.monotonic()
         for entry in out.scheduled:
             request = entry.request
+            times = request.times
+            if times.first_token is None:  # the first prefill, chunk by chunk
+                times.prefill_chunks.append((self._step_start, now, entry.num_new_tokens))
             request.num_computed_tokens += entry.num_new_tokens
             self.kv.cache_blocks(request)
             token = sampled.get(request.request_id)
             if token is None:
                 continue
             request.append_output_token(token)
+            self._num_generation_tokens += 1
+            if times.first_token is None:
+                times.first_token = now
+                self._num_prompt_tokens += request.num_prompt_tokens
             reason, stop_reason = self._check_stop(request, token)
             if reason is not None:
                 self.running.remove(request)
-                self._finish(request, reason, stop_reason)
+                self._finish(request, reason, stop_reason, now=now)
                 finished.append(request)
         return finished
+
+    def take_token_counts(self) -> tuple[int, int]:
+        """(prompt tokens of requests that got their first token, tokens sampled) since
+        the last call."""
+        counts = (self._num_prompt_tokens, self._num_generation_tokens)
+        self._num_prompt_tokens = self._num_generation_tokens = 0
+        return counts
 
     def _check_stop(self, request: Request, token: int) -> tuple[FinishReason | None, int | None]:
         params = request.sampling_params

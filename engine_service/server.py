@@ -2,34 +2,43 @@
 
 Threads: the core's busy loop (``EngineCoreLoop``) steps on its own thread; a pump
 thread turns each step's ``EngineCoreOutputs`` into one protobuf message per connected
-frontend; the asyncio event loop only moves messages between streams and queues.
+frontend, then feeds the metrics, the stats log and the request spans (all off the step
+loop); the asyncio event loop only moves messages between streams and queues.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import logging
 import os
+import queue
 import signal
 import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from engine_service import convert
 from engine_service.config import EngineConfig
 from engine_service.core import EngineCore
 from engine_service.core_loop import EngineCoreLoop, EngineDead, UtilityCall
+from engine_service.metrics import EngineMetrics, StatsLogger
 from engine_service.outputs import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from engine_service.sampling_params import InvalidRequestError, SamplingParams
+from engine_service.tracing import RequestSpanEmitter
+from tandem import telemetry
+from tandem.telemetry import Tracing
 from tandem.v1 import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -56,6 +65,8 @@ class EngineServerConfig:
     port: int = 50061
     engine_index: int = 0
     grace_seconds: float = 2.0  # time streams get to close on shutdown
+    metrics_port: int = 0  # Prometheus /metrics on host:metrics_port; 0: off
+    log_stats_interval: float = 10.0  # seconds between stats log lines; 0: off
 
 
 @dataclass
@@ -72,8 +83,19 @@ class _Client:
 class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
     """Registered before the model loads; RPCs answer UNAVAILABLE until ``attach``."""
 
-    def __init__(self, model_dir: str) -> None:
+    def __init__(
+        self,
+        model_dir: str,
+        tracing: Tracing | None = None,
+        metrics: EngineMetrics | None = None,
+        stats_logger: StatsLogger | None = None,
+    ) -> None:
         self.core: EngineCore = None  # type: ignore[assignment]  # set by attach()
+        self.tracing = tracing
+        self.metrics = metrics
+        self.stats_logger = stats_logger
+        self.span_emitter: RequestSpanEmitter | None = None  # set by attach() when tracing
+        self._utility_spans: dict[int, Any] = {}  # internal call id -> open span
         self.engine_loop: EngineCoreLoop = None  # type: ignore[assignment]
         self.model_dir = model_dir
         self.fingerprint = tokenizer_fingerprint(model_dir)
@@ -90,6 +112,10 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
     def attach(self, core: EngineCore, loop: EngineCoreLoop) -> None:
         self.core = core
         self.engine_loop = loop
+        if self.tracing is not None:
+            self.span_emitter = RequestSpanEmitter(
+                self.tracing, Path(core.config.model).name, core.engine_index
+            )
 
     async def _require_ready(self, context: grpc.aio.ServicerContext) -> None:
         if self.core is None:
@@ -105,16 +131,44 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
 
     def _pump(self) -> None:
         assert self.aio_loop is not None
+        stats_logger = self.stats_logger
         while True:
-            item = self.engine_loop.outputs.get()
+            timeout = stats_logger.seconds_until_due() if stats_logger is not None else None
+            try:
+                item = self.engine_loop.outputs.get(timeout=timeout)
+            except queue.Empty:
+                item = None
             if isinstance(item, EngineDead):
                 self.aio_loop.call_soon_threadsafe(self._on_dead, item)
                 return
-            self.aio_loop.call_soon_threadsafe(self._dispatch, item)
+            if item is not None:
+                self.aio_loop.call_soon_threadsafe(self._dispatch, item)
+                self._observe(item)
+            if stats_logger is not None:
+                stats_logger.maybe_log()
+
+    def _observe(self, outs: EngineCoreOutputs) -> None:
+        """Metrics, stats log and request spans of one step (after it went out)."""
+        try:
+            if self.metrics is not None:
+                self.metrics.record(outs)
+            if self.stats_logger is not None:
+                self.stats_logger.record(outs)
+            emitter = self.span_emitter
+            if emitter is not None and outs.iteration_stats is not None:
+                for request in outs.iteration_stats.finished:
+                    emitter.emit(request)
+        except Exception:  # observability must never stop the pump
+            logger.exception("recording metrics/spans failed")
 
     def _dispatch(self, outs: EngineCoreOutputs) -> None:
         """Split one step's outputs by owning client; every client gets the stats."""
         if outs.utility_output is not None:
+            span = self._utility_spans.pop(outs.utility_output.call_id, None)
+            if span is not None:
+                if outs.utility_output.failure_message is not None:
+                    span.set_status(Status(StatusCode.ERROR, outs.utility_output.failure_message))
+                span.end()
             target = self.pending_utility.pop(outs.utility_output.call_id, None)
             if isinstance(target, asyncio.Future):
                 if not target.done():
@@ -139,21 +193,15 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
                 del self.owner[out.request_id]
                 if cid in self.clients:
                     self.clients[cid].request_ids.discard(out.request_id)
-        stats = (
-            convert.scheduler_stats_to_proto(outs.scheduler_stats)
-            if outs.scheduler_stats is not None
-            else None
-        )
         for cid, outputs in per_client.items():
-            finished = [o.request_id for o in outputs if o.finished]
-            msg = engine_pb2.EngineCoreOutputs(
+            step = EngineCoreOutputs(
                 engine_index=outs.engine_index,
-                outputs=[convert.engine_core_output_to_proto(o) for o in outputs],
-                scheduler_stats=stats,
+                outputs=outputs,
+                scheduler_stats=outs.scheduler_stats,
                 timestamp=outs.timestamp,
-                finished_requests=finished,
+                finished_requests={o.request_id for o in outputs if o.finished} or None,
             )
-            self.clients[cid].outbox.put_nowait(msg)
+            self.clients[cid].outbox.put_nowait(convert.engine_core_outputs_to_proto(step))
 
     def _on_dead(self, dead: EngineDead) -> None:
         self.dead = dead
@@ -208,6 +256,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
                     call_id, method, args = convert.utility_call_from_proto(item.utility)
                     internal = next(self._call_ids)
                     self.pending_utility[internal] = (client.client_id, call_id)
+                    self._start_utility_span(internal, method)
                     self.engine_loop.call_utility(UtilityCall(internal, method, tuple(args)))
                 elif kind == "hello" and item.hello.tokenizer_fingerprint not in ("", self.fingerprint):
                     # Frontends check GetEngineInfo first and refuse; this is for other clients.
@@ -230,14 +279,17 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             rid = msg.request_id
             err = EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR, stop_reason=str(exc))
             client.outbox.put_nowait(
-                engine_pb2.EngineCoreOutputs(
-                    engine_index=self.core.engine_index,
-                    outputs=[convert.engine_core_output_to_proto(err)],
-                    finished_requests=[rid],
-                    timestamp=time.monotonic(),
+                convert.engine_core_outputs_to_proto(
+                    EngineCoreOutputs(
+                        engine_index=self.core.engine_index,
+                        outputs=[err],
+                        finished_requests={rid},
+                        timestamp=time.monotonic(),
+                    )
                 )
             )
             return
+        request.received_time = time.monotonic()  # queue time counts from here
         self.owner[request.request_id] = client.client_id
         client.request_ids.add(request.request_id)
         self.engine_loop.add_request(request)
@@ -279,8 +331,17 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
         call_id = next(self._call_ids)
         future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
         self.pending_utility[call_id] = future
+        self._start_utility_span(call_id, method)
         self.engine_loop.call_utility(UtilityCall(call_id, method, args))
         return await future
+
+    def _start_utility_span(self, call_id: int, method: str) -> None:
+        if self.tracing is not None:
+            self._utility_spans[call_id] = self.tracing.tracer.start_span(
+                f"utility {method}",
+                kind=SpanKind.SERVER,
+                attributes={"tandem.utility.method": method, "tandem.engine_index": self.core.engine_index},
+            )
 
 
 def _warm_up(core: EngineCore) -> None:
@@ -294,8 +355,42 @@ def _warm_up(core: EngineCore) -> None:
         core.step()
 
 
-async def serve_engine(engine_config: EngineConfig, server_config: EngineServerConfig) -> int:
-    """Run until SIGTERM/SIGINT (exit 0) or until the core dies (exit 1)."""
+async def serve_engine(
+    engine_config: EngineConfig, server_config: EngineServerConfig, tracing: Tracing | None = None
+) -> int:
+    """Run until SIGTERM/SIGINT (exit 0) or until the core dies (exit 1).
+
+    ``tracing``: where request, utility and start-up spans go (None: no spans).
+    """
+    metrics_server = None
+    metrics = None
+    if server_config.metrics_port:
+        from prometheus_client import CollectorRegistry
+
+        registry = CollectorRegistry()
+        metrics = EngineMetrics(registry, server_config.engine_index)
+        metrics_server = telemetry.start_metrics_server(
+            registry, server_config.host, server_config.metrics_port
+        )
+    stats_logger = (
+        StatsLogger(server_config.engine_index, server_config.log_stats_interval)
+        if server_config.log_stats_interval > 0
+        else None
+    )
+    try:
+        return await _serve_engine(engine_config, server_config, tracing, metrics, stats_logger)
+    finally:
+        if metrics_server is not None:
+            metrics_server.shutdown()
+
+
+async def _serve_engine(
+    engine_config: EngineConfig,
+    server_config: EngineServerConfig,
+    tracing: Tracing | None,
+    metrics: EngineMetrics | None,
+    stats_logger: StatsLogger | None,
+) -> int:
     health_servicer = health.aio.HealthServicer()
     server = grpc.aio.server(
         options=[
@@ -313,15 +408,27 @@ async def serve_engine(engine_config: EngineConfig, server_config: EngineServerC
     bound = server.add_insecure_port(f"{server_config.host}:{server_config.port}")
     if bound == 0:
         raise OSError(f"cannot bind {server_config.host}:{server_config.port}")
-    servicer = EngineServicer(engine_config.model)
+    servicer = EngineServicer(engine_config.model, tracing, metrics, stats_logger)
     engine_pb2_grpc.add_EngineCoreServicer_to_server(servicer, server)
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
     await server.start()  # health answers NOT_SERVING while the model loads
     logger.info("engine %d listening on %s:%d", server_config.engine_index, server_config.host, bound)
 
-    core = await asyncio.to_thread(EngineCore, engine_config, server_config.engine_index)
-    await asyncio.to_thread(_warm_up, core)
+    tracer = tracing.tracer if tracing is not None else None
+    startup = (
+        tracer.start_as_current_span(
+            "engine_startup",
+            attributes={"tandem.engine_index": server_config.engine_index, "tandem.model": engine_config.model},
+        )
+        if tracer is not None
+        else contextlib.nullcontext()
+    )
+    with startup:  # model load, KV-cache allocation and warm-up as child spans
+        # to_thread copies the context, so the core's phase spans nest under this one.
+        core = await asyncio.to_thread(EngineCore, engine_config, server_config.engine_index, tracer)
+        with tracer.start_as_current_span("warm_up") if tracer is not None else contextlib.nullcontext():
+            await asyncio.to_thread(_warm_up, core)
     engine_loop = EngineCoreLoop(core)
     servicer.attach(core, engine_loop)
     engine_loop.start()
@@ -353,6 +460,12 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default=os.environ.get("TANDEM_ENGINE_HOST", "0.0.0.0"))
     p.add_argument("--port", type=int, default=int(os.environ.get("TANDEM_ENGINE_PORT", "50061")))
     p.add_argument("--engine-index", type=int, default=int(os.environ.get("TANDEM_ENGINE_INDEX", "0")))
+    telemetry.add_metrics_cli(p, default_port=8001)
+    p.add_argument(
+        "--log-stats-interval", type=float,
+        default=float(os.environ.get("TANDEM_LOG_STATS_INTERVAL", "10")),
+        help="Seconds between engine stats log lines (throughput, queue, KV usage); 0: off.",
+    )
     EngineConfig.add_cli_args(p)
     p.set_defaults(handler=run_cli)
 
@@ -363,5 +476,16 @@ def run_cli(args: argparse.Namespace) -> int:
 
         args.model = demo_model_dir()
     engine_config = EngineConfig.from_cli_args(args)
-    server_config = EngineServerConfig(host=args.host, port=args.port, engine_index=args.engine_index)
-    return asyncio.run(serve_engine(engine_config, server_config))
+    server_config = EngineServerConfig(
+        host=args.host,
+        port=args.port,
+        engine_index=args.engine_index,
+        metrics_port=args.metrics_port,
+        log_stats_interval=args.log_stats_interval,
+    )
+    tracing = telemetry.tracing_from_env("tandem-engine")
+    try:
+        return asyncio.run(serve_engine(engine_config, server_config, tracing))
+    finally:
+        if tracing is not None:
+            tracing.shutdown()

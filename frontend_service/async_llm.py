@@ -4,6 +4,11 @@
 ``RequestOutput``s as the engine's per-step outputs arrive; closing the generator (a
 client cancel or disconnect) aborts the engine request. Text work (detokenization,
 stop strings, n>1) happens in the shared ``OutputProcessor``.
+
+Observability: with a ``Tracing``, each request gets a SERVER span that continues the
+caller's W3C trace context and is injected into the engine requests' ``trace_headers``;
+with ``FrontendMetrics``, token arrival times feed TTFT / inter-token / e2e histograms.
+Without either, a request costs two ``is None`` checks.
 """
 
 from __future__ import annotations
@@ -11,10 +16,13 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from engine_service.outputs import EngineCoreOutputs
 from engine_service.sampling_params import SamplingParams
@@ -23,11 +31,16 @@ from frontend_service.engine_client import (
     EngineGroup,
     EngineUnavailableError,
 )
-from frontend_service.input_processor import InputProcessor
+from frontend_service.input_processor import InputProcessor, ProcessedRequest
+from frontend_service.metrics import FrontendMetrics, SequenceTimes
 from frontend_service.output_processor import OutputProcessor
 from frontend_service.outputs import RequestOutput
+from tandem import telemetry
+from tandem.telemetry import Tracing
 
 logger = logging.getLogger(__name__)
+
+GENERATE_SPAN_NAME = "tandem.v1.Generation/Generate"
 
 
 class PauseMode(enum.Enum):
@@ -52,6 +65,10 @@ class AsyncLLM:
         engines: EngineGroup,
         input_processor: InputProcessor,
         client_index: int = 0,
+        *,
+        model_name: str = "",
+        metrics: FrontendMetrics | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.engines = engines
@@ -61,12 +78,25 @@ class AsyncLLM:
         self.streams: dict[str, _Stream] = {}  # internal request id -> stream
         self._resumed = asyncio.Event()
         self._resumed.set()
+        self.model_name = model_name
+        self.metrics = metrics
+        self.tracing = tracing
+        # Engine request id -> token arrival times; kept only while metrics or tracing is on.
+        self._observing = metrics is not None or tracing is not None
+        self._seq_times: dict[str, SequenceTimes] = {}
 
     # ---- engine callbacks (run on the event loop) ----------------------------------
 
     def on_engine_outputs(self, engine: EngineConnection, outs: EngineCoreOutputs) -> None:
         if not outs.outputs:
             return
+        if self._observing:
+            now = time.monotonic()
+            for out in outs.outputs:
+                if out.new_token_ids:
+                    times = self._seq_times.get(out.request_id)
+                    if times is not None:
+                        times.on_tokens(now, len(out.new_token_ids), self.metrics)
         processed = self.output_processor.process_outputs(outs.outputs)
         for internal_id, request_output in processed.request_outputs:
             stream = self.streams.get(internal_id)
@@ -97,43 +127,119 @@ class AsyncLLM:
         cache_salt: str | None = None,
         trace_headers: dict[str, str] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield outputs of one request; its ``request_id`` is the caller's id."""
-        await self._resumed.wait()
-        user_id = request_id or uuid.uuid4().hex
-        # Engine-side ids stay unique even if two clients pick the same request id.
-        internal_id = f"{user_id}-{uuid.uuid4().hex[:8]}"
-        processed = self.input_processor.process(
-            internal_id,
-            sampling_params,
-            prompt=prompt,
-            prompt_token_ids=prompt_token_ids,
-            messages=messages,
-            priority=priority,
-            cache_salt=cache_salt,
-            client_index=self.client_index,
-            trace_headers=trace_headers,
-        )
-        engine = self.engines.pick()
-        stream = _Stream(asyncio.Queue(), engine, [r.request_id for r in processed.engine_requests])
-        self.output_processor.add_processed(processed)
-        self.streams[internal_id] = stream
+        """Yield outputs of one request; its ``request_id`` is the caller's id.
+
+        ``trace_headers``: the caller's W3C ``traceparent``/``tracestate``. With tracing
+        on, the request's span continues that trace and the engine gets the span's own
+        context instead; with tracing off they are passed on to the engine as they are.
+        """
+        arrival = time.monotonic()
+        span = None
+        if self.tracing is not None:
+            span = self.tracing.tracer.start_span(
+                GENERATE_SPAN_NAME,
+                context=self.tracing.extract(trace_headers),
+                kind=SpanKind.SERVER,
+                attributes={
+                    "rpc.system": "grpc",
+                    "rpc.service": "tandem.v1.Generation",
+                    "rpc.method": "Generate",
+                    "gen_ai.operation.name": "chat" if messages is not None else "text_completion",
+                },
+            )
+            trace_headers = self.tracing.inject(span)
+        processed: ProcessedRequest | None = None
         try:
-            for req in processed.engine_requests:
-                engine.add_request(req)
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                item.request_id = user_id
-                yield item
-                if item.finished:
-                    return
+            await self._resumed.wait()
+            user_id = request_id or uuid.uuid4().hex
+            # Engine-side ids stay unique even if two clients pick the same request id.
+            internal_id = f"{user_id}-{uuid.uuid4().hex[:8]}"
+            processed = self.input_processor.process(
+                internal_id,
+                sampling_params,
+                prompt=prompt,
+                prompt_token_ids=prompt_token_ids,
+                messages=messages,
+                priority=priority,
+                cache_salt=cache_salt,
+                client_index=self.client_index,
+                trace_headers=trace_headers,
+            )
+            if self._observing:
+                for req in processed.engine_requests:
+                    self._seq_times[req.request_id] = SequenceTimes(arrival, len(req.prompt_token_ids))
+            engine = self.engines.pick()
+            stream = _Stream(asyncio.Queue(), engine, [r.request_id for r in processed.engine_requests])
+            self.output_processor.add_processed(processed)
+            self.streams[internal_id] = stream
+            try:
+                for req in processed.engine_requests:
+                    engine.add_request(req)
+                while True:
+                    item = await stream.queue.get()
+                    if isinstance(item, BaseException):
+                        raise item
+                    item.request_id = user_id
+                    yield item
+                    if item.finished:
+                        return
+            finally:
+                self.streams.pop(internal_id, None)
+                if not stream.finished:
+                    # Cancelled, disconnected, failed or closed early: free the engine's blocks.
+                    result = self.output_processor.abort_requests([internal_id])
+                    engine.abort(result.reqs_to_abort or stream.engine_request_ids)
+        except (GeneratorExit, asyncio.CancelledError):
+            raise  # the caller went away: finish reason "abort", not an error
+        except BaseException as exc:
+            if span is not None:
+                span.record_exception(exc)
+                span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
+            raise
         finally:
-            self.streams.pop(internal_id, None)
-            if not stream.finished:
-                # Cancelled, disconnected, failed or closed early: free the engine's blocks.
-                result = self.output_processor.abort_requests([internal_id])
-                engine.abort(result.reqs_to_abort or stream.engine_request_ids)
+            if self._observing:
+                self._finish_observing(processed, arrival, span)
+
+    def _finish_observing(
+        self, processed: ProcessedRequest | None, arrival: float, span: Any
+    ) -> None:
+        """Count the finished request and end its span (a rejected request only ends it)."""
+        if processed is None:
+            if span is not None:
+                span.end()
+            return
+        e2e = time.monotonic() - arrival
+        times = [self._seq_times.pop(r.request_id, None) for r in processed.engine_requests]
+        children = processed.parent.children
+        if not children:  # never placed on an engine (none was available)
+            if span is not None:
+                span.end()
+            return
+        reasons = [c.finish_reason or "abort" for c in children]
+        if self.metrics is not None:
+            self.metrics.record_finished(reasons, e2e)
+        if span is None:
+            return
+        if not span.is_recording():  # not sampled
+            span.end()
+            return
+        firsts = [t.first_token for t in times if t is not None and t.first_token is not None]
+        attrs = telemetry.gen_ai_request_attributes(self.model_name, processed.sampling_params)
+        attrs.update(
+            telemetry.gen_ai_usage_attributes(
+                len(processed.prompt_token_ids),
+                sum(len(c.token_ids) for c in children),
+                max((c.num_cached_tokens for c in children), default=0),
+                reasons,
+            )
+        )
+        attrs["gen_ai.response.id"] = processed.request_id.rsplit("-", 1)[0]
+        attrs["tandem.request_id"] = processed.request_id
+        attrs[telemetry.LATENCY_E2E] = e2e
+        if firsts:
+            attrs[telemetry.LATENCY_TTFT] = min(firsts) - arrival
+        span.set_attributes(attrs)
+        span.end()
 
     def abort(self, request_ids: Sequence[str]) -> int:
         """Abort user requests by their ids; returns how many were found."""

@@ -86,16 +86,25 @@ class EngineConnection:
         self._closing = False
 
     async def fetch_info(self, timeout: float) -> engine_pb2.GetEngineInfoResponse:
-        """Wait (up to ``timeout``) for the engine to answer and return its info."""
-        try:
-            self.info = await self.stub.GetEngineInfo(
-                engine_pb2.GetEngineInfoRequest(), timeout=timeout, wait_for_ready=True
-            )
-        except grpc.aio.AioRpcError as exc:
-            raise EngineUnavailableError(
-                f"engine at {self.address} is unreachable: {exc.code().name}: {exc.details()}"
-            ) from exc
-        return self.info
+        """Wait (up to ``timeout``) for the engine to answer and return its info.
+
+        An engine that is up but still loading its model answers UNAVAILABLE: ask again.
+        """
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            left = deadline - asyncio.get_running_loop().time()
+            try:
+                self.info = await self.stub.GetEngineInfo(
+                    engine_pb2.GetEngineInfoRequest(), timeout=max(left, 0.001), wait_for_ready=True
+                )
+                return self.info
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and left > 0.5:
+                    await asyncio.sleep(0.25)
+                    continue
+                raise EngineUnavailableError(
+                    f"engine at {self.address} is unreachable: {exc.code().name}: {exc.details()}"
+                ) from exc
 
     async def open(self, tokenizer_fingerprint: str) -> None:
         """Start the stream; the first message says who we are."""

@@ -30,6 +30,9 @@ from frontend_service.engine_client import (
 )
 from frontend_service.errors import abort_with
 from frontend_service.input_processor import ChatRenderer, InputProcessor
+from frontend_service.metrics import FrontendMetrics
+from tandem import telemetry
+from tandem.telemetry import Tracing
 from tandem.v1 import frontend_pb2, frontend_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -48,6 +51,7 @@ class FrontendConfig:
     port: int = 50051
     client_index: int = 0  # tells engines which frontend a request came from
     connect_timeout: float = 60.0  # seconds to wait for every engine at start-up
+    metrics_port: int = 0  # Prometheus /metrics on host:metrics_port; 0: off
 
 
 class GenerationServicer(frontend_pb2_grpc.GenerationServicer):
@@ -170,11 +174,35 @@ class GenerationServicer(frontend_pb2_grpc.GenerationServicer):
         return frontend_pb2.IsPausedResponse(paused=self.llm.paused)
 
 
-async def serve_frontend(config: FrontendConfig, ready: asyncio.Event | None = None) -> int:
-    from transformers import AutoTokenizer
-
+async def serve_frontend(
+    config: FrontendConfig, ready: asyncio.Event | None = None, tracing: Tracing | None = None
+) -> int:
+    """Run until SIGTERM/SIGINT. ``tracing``: where request spans go (None: no spans)."""
     if not config.engines:
         raise ValueError("the frontend needs at least one --engine HOST:PORT")
+    metrics_server = None
+    metrics = None
+    if config.metrics_port:
+        from prometheus_client import CollectorRegistry
+
+        registry = CollectorRegistry()
+        metrics = FrontendMetrics(registry)
+        metrics_server = telemetry.start_metrics_server(registry, config.host, config.metrics_port)
+    try:
+        return await _serve_frontend(config, ready, tracing, metrics)
+    finally:
+        if metrics_server is not None:
+            metrics_server.shutdown()
+
+
+async def _serve_frontend(
+    config: FrontendConfig,
+    ready: asyncio.Event | None,
+    tracing: Tracing | None,
+    metrics: FrontendMetrics | None,
+) -> int:
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(config.model)
     fingerprint = tokenizer_fingerprint(config.model)
     health_servicer = health.aio.HealthServicer()
@@ -211,6 +239,9 @@ async def serve_frontend(config: FrontendConfig, ready: asyncio.Event | None = N
         set_health(health_pb2.HealthCheckResponse.SERVING)
 
     group = EngineGroup(config.engines, config.client_index, on_outputs, on_dead, on_alive)
+    if metrics is not None:
+        for engine in group.engines:
+            metrics.watch_engine(engine.index, engine.address, lambda e=engine: e.alive)
     try:
         info = await group.connect(fingerprint, config.connect_timeout)
     except BaseException:
@@ -220,9 +251,13 @@ async def serve_frontend(config: FrontendConfig, ready: asyncio.Event | None = N
         raise
     eos = tokenizer.eos_token_id
     processor = InputProcessor(tokenizer, info.max_model_len, info.vocab_size, info.max_logprobs, eos)
-    llm = AsyncLLM(tokenizer, group, processor, config.client_index)
+    model_name = info.served_model_name or config.model
+    llm = AsyncLLM(
+        tokenizer, group, processor, config.client_index,
+        model_name=model_name, metrics=metrics, tracing=tracing,
+    )
     holder["llm"] = llm
-    servicer.attach(llm, info.served_model_name or config.model, info)
+    servicer.attach(llm, model_name, info)
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     logger.info("frontend SERVING on %s:%d with %d engine(s)", config.host, bound, len(config.engines))
@@ -250,6 +285,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=int(env("TANDEM_FRONTEND_PORT", "50051")))
     p.add_argument("--client-index", type=int, default=int(env("TANDEM_CLIENT_INDEX", "0")))
     p.add_argument("--connect-timeout", type=float, default=float(env("TANDEM_CONNECT_TIMEOUT", "60")))
+    telemetry.add_metrics_cli(p, default_port=8000)
     p.set_defaults(handler=run_cli)
 
 
@@ -267,12 +303,17 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         port=args.port,
         client_index=args.client_index,
         connect_timeout=args.connect_timeout,
+        metrics_port=args.metrics_port,
     )
 
 
 def run_cli(args: argparse.Namespace) -> int:
+    tracing = telemetry.tracing_from_env("tandem-frontend")
     try:
-        return asyncio.run(serve_frontend(config_from_args(args)))
+        return asyncio.run(serve_frontend(config_from_args(args), tracing=tracing))
     except (EngineUnavailableError, TokenizerMismatchError) as exc:
         logger.error("cannot start the frontend: %s", exc)
         return 1
+    finally:
+        if tracing is not None:
+            tracing.shutdown()

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 from frontend_service.server import FrontendConfig, serve_frontend
+from tandem import telemetry
 
 logger = logging.getLogger(__name__)
 
@@ -24,16 +25,24 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-base-port", type=int, default=int(env("TANDEM_ENGINE_BASE_PORT", "50061")),
                    help="Engine i listens on this port + i.")
     p.add_argument("--connect-timeout", type=float, default=120.0)
+    telemetry.add_metrics_cli(p, default_port=8000)
+    p.add_argument("--engine-metrics-base-port", type=int,
+                   default=int(env("TANDEM_ENGINE_METRICS_BASE_PORT", "8001")),
+                   help="Engine i serves /metrics on this port + i (0: off).")
     p.add_argument("engine_args", nargs=argparse.REMAINDER,
                    help="After '--': flags passed to every engine (e.g. -- --max-num-seqs 32).")
     p.set_defaults(handler=run_cli)
 
 
-def engine_command(model: str, port: int, index: int, extra: list[str], threads: int) -> list[str]:
+def engine_command(
+    model: str, port: int, index: int, extra: list[str], threads: int, metrics_port: int = 0
+) -> list[str]:
     cmd = [sys.executable, "-m", "tandem.cli", "engine", "--model", model, "--host", "127.0.0.1",
            "--port", str(port), "--engine-index", str(index)]
     if "--num-threads" not in extra:
         cmd += ["--num-threads", str(threads)]
+    if "--metrics-port" not in extra:
+        cmd += ["--metrics-port", str(metrics_port)]
     return cmd + extra
 
 
@@ -51,16 +60,20 @@ def run_cli(args: argparse.Namespace) -> int:
     addresses = []
     for i in range(args.engines):
         port = args.engine_base_port + i
-        procs.append(subprocess.Popen(engine_command(model, port, i, extra, threads)))
+        metrics_port = args.engine_metrics_base_port + i if args.engine_metrics_base_port else 0
+        procs.append(subprocess.Popen(engine_command(model, port, i, extra, threads, metrics_port)))
         addresses.append(f"127.0.0.1:{port}")
     config = FrontendConfig(model=model, engines=addresses, host=args.host, port=args.port,
-                            connect_timeout=args.connect_timeout)
+                            connect_timeout=args.connect_timeout, metrics_port=args.metrics_port)
     print(f"tandem: frontend on {args.host}:{args.port}, engines on {', '.join(addresses)}", flush=True)
+    tracing = telemetry.tracing_from_env("tandem-frontend")
     try:
-        return asyncio.run(serve_frontend(config))
+        return asyncio.run(serve_frontend(config, tracing=tracing))
     except KeyboardInterrupt:
         return 0
     finally:
+        if tracing is not None:
+            tracing.shutdown()
         for proc in procs:
             proc.terminate()
         for proc in procs:

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -74,13 +74,16 @@ os.execv(sys.argv[2], sys.argv[2:])
 """
 
 
-def launch(argv: Sequence[str], **popen_kwargs: object) -> subprocess.Popen[bytes]:
-    """Popen ``argv`` so that it gets SIGKILL when this process dies."""
+def launch(
+    argv: Sequence[str], env: Mapping[str, str] | None = None, **popen_kwargs: object
+) -> subprocess.Popen[bytes]:
+    """Popen ``argv`` so that it gets SIGKILL when this process dies; ``env`` adds to
+    (or overrides) the child's environment."""
     proc = subprocess.Popen(
         [sys.executable, "-c", _LAUNCHER, str(os.getpid()), *argv],
         stdin=subprocess.DEVNULL,
         cwd=REPO_ROOT,
-        env=child_env(),
+        env={**child_env(), **(env or {})},
         **popen_kwargs,  # type: ignore[call-overload]
     )
     _children.append(proc)
@@ -120,10 +123,17 @@ class ServiceProcess:
     log_path: Path
 
     @classmethod
-    def spawn(cls, name: str, args: Sequence[str], address: str, log_dir: Path) -> ServiceProcess:
+    def spawn(
+        cls,
+        name: str,
+        args: Sequence[str],
+        address: str,
+        log_dir: Path,
+        env: Mapping[str, str] | None = None,
+    ) -> ServiceProcess:
         log_path = log_dir / f"{name}.log"
         with open(log_path, "wb") as log:
-            proc = launch(tandem_command(*args), stdout=log, stderr=subprocess.STDOUT)
+            proc = launch(tandem_command(*args), env=env, stdout=log, stderr=subprocess.STDOUT)
         return cls(name, proc, address, log_path)
 
     @property
@@ -194,13 +204,23 @@ def spawn_python(code: str, *args: str) -> subprocess.Popen[bytes]:
     return launch([sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
-def start_engine(model_dir: str, index: int, log_dir: Path, engine_args: Sequence[str] = ENGINE_ARGS) -> ServiceProcess:
+def start_engine(
+    model_dir: str,
+    index: int,
+    log_dir: Path,
+    engine_args: Sequence[str] = ENGINE_ARGS,
+    *,
+    metrics_port: int = 0,
+    env: Mapping[str, str] | None = None,
+) -> ServiceProcess:
+    """An engine on a free port; ``metrics_port`` 0 (the default) keeps /metrics off, so
+    parallel stacks never fight over the default metrics ports."""
     port = free_port()
     args = [
         "engine", "--model", model_dir, "--host", "127.0.0.1", "--port", str(port),
-        "--engine-index", str(index), *engine_args,
+        "--engine-index", str(index), "--metrics-port", str(metrics_port), *engine_args,
     ]
-    return ServiceProcess.spawn(f"engine{index}", args, f"127.0.0.1:{port}", log_dir)
+    return ServiceProcess.spawn(f"engine{index}", args, f"127.0.0.1:{port}", log_dir, env)
 
 
 def start_frontend(
@@ -209,13 +229,16 @@ def start_frontend(
     log_dir: Path,
     connect_timeout: float = START_TIMEOUT,
     name: str = "frontend",
+    *,
+    metrics_port: int = 0,
+    env: Mapping[str, str] | None = None,
 ) -> ServiceProcess:
     port = free_port()
     args = ["frontend", "--model", model_dir, "--host", "127.0.0.1", "--port", str(port),
-            "--connect-timeout", str(connect_timeout)]
+            "--connect-timeout", str(connect_timeout), "--metrics-port", str(metrics_port)]
     for address in engine_addresses:
         args += ["--engine", address]
-    return ServiceProcess.spawn(name, args, f"127.0.0.1:{port}", log_dir)
+    return ServiceProcess.spawn(name, args, f"127.0.0.1:{port}", log_dir, env)
 
 
 @dataclass

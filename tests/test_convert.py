@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 import struct
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import pytest
@@ -309,12 +310,142 @@ def test_logprobs_shape_errors() -> None:
         convert.logprobs_from_proto(no_columns)
 
 
+def round_trip(outs: EngineCoreOutputs) -> EngineCoreOutputs:
+    return convert.engine_core_outputs_from_proto(wire(convert.engine_core_outputs_to_proto(outs)))
+
+
+def assert_same_step(back: EngineCoreOutputs, outs: EngineCoreOutputs) -> None:
+    """Equal, except that the order of the outputs does not matter (the wire keeps
+    column outputs and detailed ones apart)."""
+    assert sorted(back.outputs, key=repr) == sorted(outs.outputs, key=repr)
+    assert replace(back, outputs=[]) == replace(outs, outputs=[])
+
+
+def is_plain(out: EngineCoreOutput) -> bool:
+    """Whether the output may travel in TokenColumns."""
+    return (
+        out.new_logprobs is None
+        and out.new_prompt_logprobs is None
+        and out.finish_reason is None
+        and out.stop_reason is None
+        and out.trace_headers is None
+    )
+
+
+def rand_plain_output(rng: random.Random, request_id: str, one_token: bool, cached: bool) -> EngineCoreOutput:
+    return EngineCoreOutput(
+        request_id,
+        [rng.randint(0, 2**31 - 1) for _ in range(1 if one_token else rng.randint(0, 5))],
+        num_cached_tokens=rng.randint(0, 4096) if cached else 0,
+    )
+
+
+def rand_mixed_outputs(rng: random.Random) -> EngineCoreOutputs:
+    """A step mixing column-eligible outputs (sometimes all one token each, sometimes
+    all without cached tokens: the columns sent empty) and detailed ones."""
+    n = rng.choice([0, 1, rng.randint(2, 40)])
+    share_plain = rng.choice([0.0, 1.0, rng.random()])
+    one_token, cached = rng.random() < 0.5, rng.random() < 0.5
+    outputs = []
+    for i in range(n):
+        if rng.random() < share_plain:
+            outputs.append(rand_plain_output(rng, f"plain-{i}", one_token, cached))
+        else:
+            outputs.append(replace(rand_output(rng), request_id=f"detail-{i}"))
+    outs = rand_outputs(rng)
+    outs.outputs = outputs
+    return outs
+
+
 def test_engine_core_outputs_round_trip() -> None:
     rng = random.Random(6)
     for _ in range(ROUNDS):
         outs = rand_outputs(rng)
-        back = convert.engine_core_outputs_from_proto(wire(convert.engine_core_outputs_to_proto(outs)))
-        assert back == outs
+        assert_same_step(round_trip(outs), outs)
+
+
+def test_engine_core_outputs_round_trip_with_columns() -> None:
+    rng = random.Random(7)
+    for _ in range(ROUNDS * 2):
+        outs = rand_mixed_outputs(rng)
+        assert_same_step(round_trip(outs), outs)
+
+
+def test_plain_outputs_travel_in_the_columns() -> None:
+    rng = random.Random(8)
+    for _ in range(ROUNDS):
+        outs = rand_mixed_outputs(rng)
+        msg = wire(convert.engine_core_outputs_to_proto(outs))
+        plain = [o for o in outs.outputs if is_plain(o)]
+        detailed = [o for o in outs.outputs if not is_plain(o)]
+        assert [o.request_id for o in msg.outputs] == [o.request_id for o in detailed]
+        assert msg.HasField("token_columns") == bool(plain)
+        cols = msg.token_columns
+        assert list(cols.request_ids) == [o.request_id for o in plain]
+        assert list(cols.new_token_ids) == [t for o in plain for t in o.new_token_ids]
+        counts = [len(o.new_token_ids) for o in plain]
+        assert list(cols.num_new_tokens) == ([] if set(counts) <= {1} else counts)
+        cached = [o.num_cached_tokens for o in plain]
+        assert list(cols.num_cached_tokens) == ([] if set(cached) <= {0} else cached)
+
+
+def test_decode_step_is_three_flat_columns() -> None:
+    outputs = [EngineCoreOutput(f"r{i}", [1000 + i]) for i in range(256)]
+    msg = wire(convert.engine_core_outputs_to_proto(EngineCoreOutputs(outputs=outputs)))
+    assert not msg.outputs
+    cols = msg.token_columns
+    assert list(cols.request_ids) == [f"r{i}" for i in range(256)]
+    assert list(cols.new_token_ids) == [1000 + i for i in range(256)]
+    assert not cols.num_new_tokens and not cols.num_cached_tokens  # one token each, none cached
+    assert convert.engine_core_outputs_from_proto(msg).outputs == outputs
+
+
+def test_details_keep_an_output_out_of_the_columns() -> None:
+    lp = Logprobs(token_ids=[], logprobs=[], ranks=[])  # empty, but set
+    detailed = [
+        EngineCoreOutput("lp", [1], new_logprobs=lp),
+        EngineCoreOutput("plp", [1], new_prompt_logprobs=lp),
+        EngineCoreOutput("fin", [1], finish_reason=FinishReason.LENGTH),
+        EngineCoreOutput("stop", [1], stop_reason=0),  # falsy, still a detail
+        EngineCoreOutput("trace", [1], trace_headers={"traceparent": "00-a-b-01"}),
+    ]
+    outs = EngineCoreOutputs(outputs=[*detailed, EngineCoreOutput("plain", [], num_cached_tokens=3)])
+    msg = wire(convert.engine_core_outputs_to_proto(outs))
+    assert [o.request_id for o in msg.outputs] == [o.request_id for o in detailed]
+    assert list(msg.token_columns.request_ids) == ["plain"]
+    assert list(msg.token_columns.num_new_tokens) == [0]
+    assert_same_step(convert.engine_core_outputs_from_proto(msg), outs)
+
+
+def test_empty_step_has_no_columns() -> None:
+    outs = EngineCoreOutputs(engine_index=2, scheduler_stats=SchedulerStats(num_running_reqs=0))
+    msg = wire(convert.engine_core_outputs_to_proto(outs))
+    assert not msg.HasField("token_columns") and not msg.outputs
+    assert round_trip(outs) == outs
+    empty_columns = engine_pb2.EngineCoreOutputs(token_columns=engine_pb2.TokenColumns())
+    assert convert.engine_core_outputs_from_proto(wire(empty_columns)).outputs == []
+
+
+def test_reader_accepts_plain_outputs_as_messages() -> None:
+    # Column-eligible outputs sent the detailed way (e.g. by an older engine) read the same.
+    plain = EngineCoreOutput("a", [5, 6], num_cached_tokens=16)
+    msg = engine_pb2.EngineCoreOutputs(outputs=[convert.engine_core_output_to_proto(plain)])
+    assert convert.engine_core_outputs_from_proto(wire(msg)).outputs == [plain]
+
+
+@pytest.mark.parametrize(
+    "columns",
+    [
+        engine_pb2.TokenColumns(request_ids=["a", "b"], new_token_ids=[1]),
+        engine_pb2.TokenColumns(request_ids=["a", "b"], new_token_ids=[1, 2, 3], num_new_tokens=[1]),
+        engine_pb2.TokenColumns(request_ids=["a", "b"], new_token_ids=[1, 2, 3], num_new_tokens=[1, 1]),
+        engine_pb2.TokenColumns(request_ids=["a", "b"], new_token_ids=[1, 2], num_cached_tokens=[3]),
+        engine_pb2.TokenColumns(new_token_ids=[1], num_new_tokens=[1]),
+    ],
+)
+def test_inconsistent_columns_raise(columns: engine_pb2.TokenColumns) -> None:
+    with pytest.raises(ConversionError):
+        convert.engine_core_outputs_from_proto(engine_pb2.EngineCoreOutputs(token_columns=columns))
 
 
 def test_stop_reason_and_finish_reason_on_the_wire() -> None:

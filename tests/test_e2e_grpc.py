@@ -555,7 +555,7 @@ def test_engine_killed_mid_stream(tiny_llama_dir: str, tmp_path) -> None:  # typ
         old = stack.engines[1]
         port = old.address.rsplit(":", 1)[1]
         args = ["engine", "--model", tiny_llama_dir, "--host", "127.0.0.1", "--port", port,
-                "--engine-index", "1", *ENGINE_ARGS]
+                "--engine-index", "1", "--metrics-port", "0", *ENGINE_ARGS]
         stack.engines[1] = ServiceProcess.spawn("engine1-restarted", args, old.address, tmp_path)
         stack.engines[1].wait_serving()
         stack.frontend.wait_health(SERVING, timeout=60)

@@ -143,6 +143,18 @@ class EngineCoreOutput(_message.Message):
     trace_headers: _containers.ScalarMap[str, str]
     def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ..., new_prompt_logprobs: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_str: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., trace_headers: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
+class TokenColumns(_message.Message):
+    __slots__ = ("request_ids", "num_new_tokens", "new_token_ids", "num_cached_tokens")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_new_tokens: _containers.RepeatedScalarFieldContainer[int]
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_cached_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class SchedulerStats(_message.Message):
     __slots__ = ("num_running_reqs", "num_waiting_reqs", "kv_cache_usage", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "num_free_blocks", "num_total_blocks")
     NUM_RUNNING_REQS_FIELD_NUMBER: _ClassVar[int]
@@ -170,7 +182,7 @@ class EngineDead(_message.Message):
     def __init__(self, message: _Optional[str] = ...) -> None: ...
 
 class EngineCoreOutputs(_message.Message):
-    __slots__ = ("engine_index", "outputs", "scheduler_stats", "timestamp", "utility_output", "finished_requests", "engine_dead")
+    __slots__ = ("engine_index", "outputs", "scheduler_stats", "timestamp", "utility_output", "finished_requests", "engine_dead", "token_columns")
     ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_STATS_FIELD_NUMBER: _ClassVar[int]
@@ -178,6 +190,7 @@ class EngineCoreOutputs(_message.Message):
     UTILITY_OUTPUT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_DEAD_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     engine_index: int
     outputs: _containers.RepeatedCompositeFieldContainer[EngineCoreOutput]
     scheduler_stats: SchedulerStats
@@ -185,7 +198,8 @@ class EngineCoreOutputs(_message.Message):
     utility_output: UtilityOutput
     finished_requests: _containers.RepeatedScalarFieldContainer[str]
     engine_dead: EngineDead
-    def __init__(self, engine_index: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[EngineCoreOutput, _Mapping]]] = ..., scheduler_stats: _Optional[_Union[SchedulerStats, _Mapping]] = ..., timestamp: _Optional[float] = ..., utility_output: _Optional[_Union[UtilityOutput, _Mapping]] = ..., finished_requests: _Optional[_Iterable[str]] = ..., engine_dead: _Optional[_Union[EngineDead, _Mapping]] = ...) -> None: ...
+    token_columns: TokenColumns
+    def __init__(self, engine_index: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[EngineCoreOutput, _Mapping]]] = ..., scheduler_stats: _Optional[_Union[SchedulerStats, _Mapping]] = ..., timestamp: _Optional[float] = ..., utility_output: _Optional[_Union[UtilityOutput, _Mapping]] = ..., finished_requests: _Optional[_Iterable[str]] = ..., engine_dead: _Optional[_Union[EngineDead, _Mapping]] = ..., token_columns: _Optional[_Union[TokenColumns, _Mapping]] = ...) -> None: ...
 
 class GetEngineInfoRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,113 @@
+"""Frontend-side metrics (Prometheus): what the client sees, and engine health.
+
+The frontend exports per-request results and client-visible latencies, measured when
+engine outputs reach the frontend: time to first token, inter-token latency and
+end-to-end latency (from the moment ``Generate`` arrived), finished requests by finish
+reason (stop strings and client cancels are only known here), prompt and generation
+token counts, and whether each engine is up. Queue/prefill/decode times, KV-cache and
+scheduler state are the engines' (``engine_service/metrics.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+TTFT_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    120.0, 300.0,
+)
+ITL_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5.0, 10.0, 30.0,
+)
+E2E_BUCKETS = (
+    0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0,
+    1800.0,
+)
+
+
+class FrontendMetrics:
+    """The frontend's Prometheus metrics, in ``registry``."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.request_success = Counter(
+            "tandem:request_success",
+            "Finished requests (each of the n sequences of a request counts) by finish reason.",
+            ["finished_reason"],
+            registry=registry,
+        )
+        self._by_reason = {r: self.request_success.labels(finished_reason=r) for r in FINISH_REASONS}
+        self.prompt_tokens = Counter(
+            "tandem:prompt_tokens",
+            "Prompt tokens of the sequences that produced a first token.",
+            registry=registry,
+        )
+        self.generation_tokens = Counter(
+            "tandem:generation_tokens", "Tokens generated (received from the engines).", registry=registry
+        )
+        self.ttft = Histogram(
+            "tandem:time_to_first_token_seconds",
+            "Request arrival at the frontend to its first token reaching the frontend, per sequence.",
+            registry=registry,
+            buckets=TTFT_BUCKETS,
+        )
+        self.itl = Histogram(
+            "tandem:inter_token_latency_seconds",
+            "Time between successive tokens of a sequence reaching the frontend.",
+            registry=registry,
+            buckets=ITL_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "tandem:e2e_request_latency_seconds",
+            "Request arrival at the frontend to its last output, per request (aborted ones included).",
+            registry=registry,
+            buckets=E2E_BUCKETS,
+        )
+        self.engine_healthy = Gauge(
+            "tandem:engine_healthy",
+            "1 while the frontend's stream to the engine is up, else 0.",
+            ["engine", "address"],
+            registry=registry,
+        )
+
+    def watch_engine(self, index: int, address: str, is_up: Callable[[], bool]) -> None:
+        """Report ``is_up()`` as the engine's health, read at every scrape."""
+        self.engine_healthy.labels(engine=str(index), address=address).set_function(
+            lambda: 1.0 if is_up() else 0.0
+        )
+
+    def record_finished(self, finish_reasons: Iterable[str], e2e_seconds: float) -> None:
+        for reason in finish_reasons:
+            child = self._by_reason.get(reason)
+            if child is None:
+                child = self.request_success.labels(finished_reason=reason)
+            child.inc()
+        self.e2e.observe(e2e_seconds)
+
+
+class SequenceTimes:
+    """Token arrival times of one engine request (one of a request's n sequences)."""
+
+    __slots__ = ("arrival", "first_token", "last_token", "num_prompt_tokens")
+
+    def __init__(self, arrival: float, num_prompt_tokens: int) -> None:
+        self.arrival = arrival
+        self.num_prompt_tokens = num_prompt_tokens
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+
+    def on_tokens(self, now: float, num_tokens: int, metrics: FrontendMetrics | None) -> None:
+        first = self.last_token is None
+        if first:
+            self.first_token = now
+        if metrics is not None:
+            metrics.generation_tokens.inc(num_tokens)
+            if first:
+                metrics.ttft.observe(now - self.arrival)
+                metrics.prompt_tokens.inc(self.num_prompt_tokens)
+            else:
+                metrics.itl.observe(now - self.last_token)  # type: ignore[operator]
+        self.last_token = now
