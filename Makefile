@@ -29,7 +29,7 @@ test: setup $(if $(wildcard package.json),node_modules/.package-lock.json)
 	$(PY) -m pytest -q
 
 bench: setup
-	$(PY) benchmarks/offline_throughput.py
+	$(PY) -m benchmarks.offline_throughput
 
 clean:
 	rm -rf $(VENV) node_modules .pytest_cache .ruff_cache

@@ -10,7 +10,6 @@ import json
 import os
 import random
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -26,13 +25,6 @@ FIRST_ORDINARY_TOKEN = 5
 
 def repo_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def ensure_repo_on_path() -> None:
-    """Make ``engine_service`` importable when a benchmark runs as a plain script."""
-    root = repo_root()
-    if root not in sys.path:
-        sys.path.insert(0, root)
 
 
 # ---- checkpoints ---------------------------------------------------------------------------
@@ -51,7 +43,6 @@ def cached_model(preset: str, arch: str = "llama", seed: int = 0, root: str | No
     The directory name carries preset, arch and seed; a checkpoint is built in a
     staging directory and renamed into place, so a half-written one is never used.
     """
-    ensure_repo_on_path()
     from engine_service.make_model import make_model
 
     root = root or cache_dir()

@@ -1,7 +1,7 @@
 """Time Tandem's Triton kernels against their PyTorch references.
 
-    python benchmarks/kernels.py [--dtype bf16|fp16] [--only NAME]   # needs CUDA
-    python benchmarks/kernels.py --smoke    # tiny cases under the Triton interpreter
+    python -m benchmarks.kernels [--dtype bf16|fp16] [--only NAME]   # needs CUDA
+    python -m benchmarks.kernels --smoke    # tiny cases under the Triton interpreter
 
 On CUDA each kernel and its reference (``kernels.reference``) are timed with
 ``triton.testing.do_bench`` (median) over Llama-8B-like shapes (32 query / 8 KV heads of
@@ -342,16 +342,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _unshadow_kernels_package() -> None:
-    """Run as a script, this file's folder heads sys.path, and this file is named
-    kernels.py: drop the folder so ``import kernels`` finds the package."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    _unshadow_kernels_package()
     if args.smoke:
         if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
             print("--smoke must set TRITON_INTERPRET before triton is imported", file=sys.stderr)

@@ -16,8 +16,8 @@ One run, one checkpoint, one workload, three systems:
 All runs are greedy and ignore EOS, so every request produces exactly its
 ``max_tokens``. Model loading and a short warm-up are outside the timed sections.
 
-    python benchmarks/offline_throughput.py                 # bench-135m, 64 requests
-    python benchmarks/offline_throughput.py --smoke --json /tmp/r.json
+    python -m benchmarks.offline_throughput                 # bench-135m, 64 requests
+    python -m benchmarks.offline_throughput --smoke --json /tmp/r.json
 """
 
 from __future__ import annotations
@@ -31,8 +31,6 @@ import platform
 import sys
 import time
 from typing import Any
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import (
     Measurement,

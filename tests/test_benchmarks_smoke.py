@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "benchmarks" / "offline_throughput.py"
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +19,8 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
     out = tmp / "result.json"
     env = dict(os.environ, TANDEM_CACHE_DIR=str(tmp / "cache"))
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--json", str(out)],
-        cwd=tmp,  # not the repo root: the script must find its own imports
+        [sys.executable, "-m", "benchmarks.offline_throughput", "--smoke", "--json", str(out)],
+        cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,

@@ -795,13 +795,13 @@ def test_kernels_package_does_not_import_triton() -> None:
 def test_benchmark_smoke() -> None:
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)  # the script sets it itself for --smoke
-    result = _run_python(["benchmarks/kernels.py", "--smoke"], env=env)
+    result = _run_python(["-m", "benchmarks.kernels", "--smoke"], env=env)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "paged_attention" in result.stdout and "GB/s" in result.stdout, result.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the script runs the full set")
 def test_benchmark_without_cuda_exits_cleanly() -> None:
-    result = _run_python(["benchmarks/kernels.py"])
+    result = _run_python(["-m", "benchmarks.kernels"])
     assert result.returncode == 0, result.stdout + result.stderr
     assert "CUDA" in result.stdout
