@@ -110,6 +110,17 @@ class Workload:
     def longest(self) -> int:
         return max(len(p) + n for p, n in zip(self.prompts, self.max_tokens))
 
+    def describe(self, args: Any) -> dict[str, Any]:
+        """The workload as recorded in a benchmark's JSON (``args``: its parsed flags)."""
+        return {
+            "num_requests": len(self),
+            "prompt_len": [args.min_prompt, args.max_prompt],
+            "output_len": [args.min_output, args.max_output],
+            "seed": args.seed,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+        }
+
     def subset(self, indices: Sequence[int]) -> Workload:
         return Workload(
             [self.prompts[i] for i in indices], [self.max_tokens[i] for i in indices], self.seed

@@ -481,14 +481,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.json:
         doc = {
-            "workload": {
-                "num_requests": len(wl),
-                "prompt_len": [args.min_prompt, args.max_prompt],
-                "output_len": [args.min_output, args.max_output],
-                "seed": args.seed,
-                "prompt_tokens": wl.prompt_tokens,
-                "output_tokens": wl.output_tokens,
-            },
+            "workload": wl.describe(args),
             "model": model_dir,
             "torch_threads": threads,
             "load_average": {"start": load_start, "end": load_average()},

@@ -493,14 +493,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
     )
     if args.json:
         doc = {
-            "workload": {
-                "num_requests": len(wl),
-                "prompt_len": [args.min_prompt, args.max_prompt],
-                "output_len": [args.min_output, args.max_output],
-                "seed": args.seed,
-                "prompt_tokens": wl.prompt_tokens,
-                "output_tokens": wl.output_tokens,
-            },
+            "workload": wl.describe(args),
             "model": model,
             "vllm": {
                 **m.to_dict(),

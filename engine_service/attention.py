@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -22,6 +23,9 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [num_seqs] int32
     max_query_len: int
     max_seq_len: int
+    # Per-step scratch the attention backend may fill on the first layer and reuse in
+    # the others (plans that depend on the batch only, not on the layer).
+    workspace: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

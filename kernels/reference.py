@@ -15,6 +15,9 @@ Layout conventions (shared by both backends):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -50,6 +53,68 @@ def _gather_blocks(
     return rows.view(-1, cache.shape[2], cache.shape[3])
 
 
+@dataclass
+class _DecodePlan:
+    """The b sequences with one query token, as one padded batch."""
+
+    tokens: torch.Tensor  # [b] int64: the query token of each decode sequence
+    blocks: torch.Tensor  # [b * max_blocks] int64
+    valid: torch.Tensor  # [b, padded] bool: key position < seq_len
+    pad_rows: torch.Tensor  # [num_pad] int64: rows of [b * padded] past their sequence
+    padded: int  # max_blocks * block_size
+
+
+@dataclass
+class _AttentionPlan:
+    """Everything about one step's batch that is the same in every layer.
+
+    Built by the first layer's call and kept in the caller's per-step ``workspace``.
+    """
+
+    # (first token, end token, seq_len, block ids [n] int64, causal mask [q_len, seq_len])
+    prefills: list[tuple[int, int, int, torch.Tensor, torch.Tensor]]
+    decode: _DecodePlan | None
+
+
+def _plan_attention(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+    device: torch.device,
+) -> _AttentionPlan:
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    prefills = []
+    decode_seqs: list[int] = []
+    for s, seq_len in enumerate(lens):
+        q_start, q_end = starts[s], starts[s + 1]
+        q_len = q_end - q_start
+        if q_len == 1:
+            decode_seqs.append(s)
+        elif q_len > 1:
+            blocks = block_tables[s, : (seq_len + block_size - 1) // block_size].long()
+            # Query i sits at position seq_len - q_len + i and sees keys 0..that position.
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+            mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+            prefills.append((q_start, q_end, seq_len, blocks, mask))
+    if not decode_seqs:
+        return _AttentionPlan(prefills, None)
+    max_blocks = (max(lens[s] for s in decode_seqs) + block_size - 1) // block_size
+    padded = max_blocks * block_size
+    seq_idx = torch.tensor(decode_seqs, device=device)
+    ctx = torch.tensor([lens[s] for s in decode_seqs], device=device)  # [b]
+    valid = torch.arange(padded, device=device)[None, :] < ctx[:, None]  # [b, padded]
+    decode = _DecodePlan(
+        tokens=torch.tensor([starts[s] for s in decode_seqs], device=device),
+        blocks=block_tables[seq_idx, :max_blocks].long().flatten(),
+        valid=valid,
+        pad_rows=(~valid).flatten().nonzero().squeeze(1),
+        padded=padded,
+    )
+    return _AttentionPlan(prefills, decode)
+
+
 def paged_attention(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -59,33 +124,27 @@ def paged_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    workspace: dict[str, Any] | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached prefix and itself.
 
     Decode sequences (one query token) are computed together as one padded batch;
-    each prefill chunk is computed on its own. Softmax runs in float32.
+    each prefill chunk is computed on its own. Softmax runs in float32. ``workspace`` is
+    a dict the caller passes unchanged to every layer of one step (and renews per
+    step): the layer-independent plan of the batch is built once and kept there.
     """
     if out is None:
         out = torch.empty_like(query)
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    block_size = key_cache.shape[1]
-    decode_idx: list[int] = []
-    for s, seq_len in enumerate(lens):
-        q_start, q_end = starts[s], starts[s + 1]
-        q_len = q_end - q_start
-        if q_len == 0:
-            continue
-        if q_len == 1:
-            decode_idx.append(s)
-            continue
-        blocks = block_tables[s, : (seq_len + block_size - 1) // block_size].long()
+    plan = workspace.get("torch_attention_plan") if workspace is not None else None
+    if plan is None:
+        plan = _plan_attention(
+            query_start_loc, seq_lens, block_tables, key_cache.shape[1], query.device
+        )
+        if workspace is not None:
+            workspace["torch_attention_plan"] = plan
+    for q_start, q_end, seq_len, blocks, mask in plan.prefills:
         k = _gather_blocks(key_cache, blocks)[:seq_len]  # [seq_len, kvh, d]
         v = _gather_blocks(value_cache, blocks)[:seq_len]
-        # Query i sits at position seq_len - q_len + i and sees keys 0..that position.
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        k_pos = torch.arange(seq_len, device=query.device)
-        mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, seq_len]
         o = F.scaled_dot_product_attention(
             query[q_start:q_end].transpose(0, 1).float(),  # [num_heads, q_len, head_dim]
             k.transpose(0, 1).float(),  # [kvh, seq_len, head_dim]
@@ -95,10 +154,8 @@ def paged_attention(
             enable_gqa=True,
         )
         out[q_start:q_end] = o.transpose(0, 1).to(out.dtype)
-    if decode_idx:
-        _decode_attention(
-            query, key_cache, value_cache, block_tables, starts, lens, decode_idx, scale, out
-        )
+    if plan.decode is not None:
+        _decode_attention(query, key_cache, value_cache, plan.decode, scale, out)
     return out
 
 
@@ -106,42 +163,29 @@ def _decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    starts: list[int],
-    lens: list[int],
-    seqs: list[int],
+    plan: _DecodePlan,
     scale: float,
     out: torch.Tensor,
 ) -> None:
     """One padded batched attention for the sequences that have a single query token."""
-    block_size, num_kv_heads, head_dim = key_cache.shape[1:]
+    num_kv_heads, head_dim = key_cache.shape[2:]
     num_heads = query.shape[1]
-    group = num_heads // num_kv_heads
-    device = query.device
-    b = len(seqs)
-    seq_idx = torch.tensor(seqs, device=device)
-    tok_idx = torch.tensor([starts[s] for s in seqs], device=device)
-    ctx = torch.tensor([lens[s] for s in seqs], device=device)  # [b]
-    max_blocks = (max(lens[s] for s in seqs) + block_size - 1) // block_size
-    padded = max_blocks * block_size
-    blocks = block_tables[seq_idx, :max_blocks].long().flatten()  # [b * max_blocks]
-    k = _gather_blocks(key_cache, blocks).view(b, padded, num_kv_heads, head_dim)
-    v = _gather_blocks(value_cache, blocks).view(b, padded, num_kv_heads, head_dim)
-    valid = torch.arange(padded, device=device)[None, :] < ctx[:, None]  # [b, padded]
+    b, padded = plan.tokens.shape[0], plan.padded
+    k = _gather_blocks(key_cache, plan.blocks).view(b, padded, num_kv_heads, head_dim)
+    v = _gather_blocks(value_cache, plan.blocks).view(b, padded, num_kv_heads, head_dim)
     # Rows past a sequence's length are unwritten cache memory: a probability of 0 times
-    # a NaN there would still be NaN, so zero them (in place: k and v are our copies).
-    # Only the padding rows are written: [num_pad_rows] indices into [b * padded] rows.
-    pad_rows = (~valid).flatten().nonzero().squeeze(1)
-    k.view(b * padded, -1)[pad_rows] = 0
-    v.view(b * padded, -1)[pad_rows] = 0
+    # a NaN there would still be NaN, so zero them (k and v are our own copies).
+    k.view(b * padded, -1)[plan.pad_rows] = 0
+    v.view(b * padded, -1)[plan.pad_rows] = 0
     o = F.scaled_dot_product_attention(
-        query[tok_idx].float().view(b, num_kv_heads, group, head_dim),  # group as "q_len"
+        # [b, kvh, group, d]: the group of query heads sharing a KV head acts as q_len
+        query[plan.tokens].float().view(b, num_kv_heads, num_heads // num_kv_heads, head_dim),
         k.transpose(1, 2).float(),  # [b, kvh, padded, d]
         v.transpose(1, 2).float(),
-        attn_mask=valid[:, None, None, :],
+        attn_mask=plan.valid[:, None, None, :],
         scale=scale,
     )
-    out[tok_idx] = o.reshape(b, num_heads, head_dim).to(out.dtype)
+    out[plan.tokens] = o.reshape(b, num_heads, head_dim).to(out.dtype)
 
 
 def rms_norm(

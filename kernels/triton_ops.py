@@ -361,6 +361,7 @@ def paged_attention(
     seq_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    workspace: dict[str, Any] | None = None,  # per-step scratch; unused by this backend
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached prefix and itself.
 

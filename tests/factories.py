@@ -1,4 +1,4 @@
-"""Small factories for engine unit tests that need no model."""
+"""Small factories for engine tests, and the Hugging Face greedy oracle."""
 
 from __future__ import annotations
 
@@ -60,3 +60,28 @@ def run_until_done(scheduler: Scheduler, max_steps: int = 10_000) -> int:
         if steps > max_steps:
             raise AssertionError("scheduler made no progress")
     return steps
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int | list[int]) -> list[list[int]]:
+    """Hugging Face ``generate()`` greedy continuations, one prompt at a time, past EOS."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    counts = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else max_tokens
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    out = []
+    with torch.inference_mode():
+        for prompt, n in zip(prompts, counts):
+            ids = torch.tensor([prompt])
+            gen = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            out.append(gen[0, len(prompt) :].tolist())
+    return out

@@ -15,9 +15,8 @@ from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
-import torch
 from grpc_health.v1 import health_pb2
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from frontend_service import LLM, SamplingParams
 from tandem.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
@@ -32,6 +31,7 @@ from tests.e2e_helpers import (
     start_frontend,
     start_stack,
 )
+from tests.factories import hf_greedy
 
 pytest_plugins = ["tests.e2e_helpers"]
 pytestmark = pytest.mark.timeout(180)
@@ -99,26 +99,6 @@ def rpc_error(call: Callable[[], object]) -> grpc.RpcError:
 
 def long_request(prompt: str = "Tell me a long story") -> frontend_pb2.GenerateRequest:
     return frontend_pb2.GenerateRequest(prompt=prompt, sampling_params=greedy(LONG_TOKENS))
-
-
-def hf_greedy(model_dir: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()
-    out = []
-    with torch.inference_mode():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            gen = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_tokens,
-                min_new_tokens=max_tokens,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            out.append(gen[0, len(prompt) :].tolist())
-    return out
 
 
 # ---- fixtures ----------------------------------------------------------------------

@@ -10,13 +10,12 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from engine_service.config import EngineConfig
 from engine_service.core import EngineCore
 from engine_service.outputs import EngineCoreRequest
 from engine_service.sampling_params import SamplingParams
+from tests.factories import hf_greedy
 
 ARCHS = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"]
 NUM_PROMPTS = 16
@@ -34,26 +33,6 @@ def _workload(vocab_size: int, seed: int) -> tuple[list[list[int]], list[int]]:
     max_tokens = [rng.choice([1, 8, 33, 64]) for _ in prompts]
     max_tokens[0] = 64
     return prompts, max_tokens
-
-
-def _hf_greedy(model_dir: str, prompts: list[list[int]], max_tokens: list[int]) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()
-    out = []
-    with torch.inference_mode():
-        for prompt, n in zip(prompts, max_tokens):
-            ids = torch.tensor([prompt])
-            gen = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=n,
-                min_new_tokens=n,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-            out.append(gen[0, len(prompt) :].tolist())
-    return out
 
 
 def run_engine(
@@ -98,7 +77,7 @@ def arch_case(request: pytest.FixtureRequest) -> tuple[str, list[list[int]], lis
 
     vocab = ModelConfig.from_pretrained(model_dir).vocab_size
     prompts, max_tokens = _workload(vocab, seed=ARCHS.index(request.param))
-    expected = _hf_greedy(model_dir, prompts, max_tokens)
+    expected = hf_greedy(model_dir, prompts, max_tokens)
     return model_dir, prompts, max_tokens, expected
 
 

@@ -108,6 +108,7 @@ class Attention(nn.Module):
             attn_metadata.seq_lens,
             self.scale,
             out=attn_out,
+            workspace=attn_metadata.workspace,
         )
         return self.o_proj(attn_out.view(num_tokens, self.q_size))
 
