@@ -235,3 +235,67 @@ def _cell(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.2f}"
     return str(value)
+
+
+# ---- the machine's limit -----------------------------------------------------------------
+
+
+@dataclass
+class MachineLimits:
+    matmul_gflops: float  # fp32 GEMM rate with the current torch threads
+    copy_gbps: float  # bytes read + written per second by a large tensor copy
+
+
+def measure_machine(repeats: int = 5) -> MachineLimits:
+    """fp32 2048^3 matmul rate and large-copy bandwidth, best of ``repeats``."""
+    import torch
+
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    src = torch.randn(64 * 2**20)  # 256 MiB
+    dst = torch.empty_like(src)
+    torch.mm(a, b)
+    dst.copy_(src)
+    best_mm = min(timed(lambda: torch.mm(a, b))[1].seconds for _ in range(repeats))
+    best_copy = min(timed(lambda: dst.copy_(src))[1].seconds for _ in range(repeats))
+    return MachineLimits(2 * 2048**3 / best_mm / 1e9, 2 * src.numel() * 4 / best_copy / 1e9)
+
+
+@dataclass
+class Roofline:
+    """Lower bounds for one model on one machine (fp32 weights)."""
+
+    flops_per_token: float  # 2 x (non-embedding parameters + the LM head)
+    weight_bytes: float  # bytes read per forward step: the same parameters, once
+    limits: MachineLimits
+
+    @classmethod
+    def for_model(cls, model_dir: str, limits: MachineLimits, bytes_per_param: int = 4) -> Roofline:
+        from safetensors import safe_open
+
+        config = read_model_config(model_dir)
+        total = 0
+        names = [f for f in _listdir(model_dir) if f.endswith(".safetensors")]
+        for name in names:
+            with safe_open(os.path.join(model_dir, name), "pt") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    numel = 1
+                    for dim in f.get_slice(key).get_shape():
+                        numel *= dim
+                    total += numel
+        embed = config["vocab_size"] * config["hidden_size"]
+        tied = config.get("tie_word_embeddings", False)
+        # Compute reads the LM head once per token; tied embeddings are stored once.
+        used = total - embed + (embed if tied else 0)
+        return cls(2.0 * used, used * bytes_per_param, limits)
+
+    def prefill_tokens_per_s(self) -> float:
+        return self.limits.matmul_gflops * 1e9 / self.flops_per_token
+
+    def decode_tokens_per_s(self, batch: int) -> float:
+        """min(compute-bound, weight-read-bound at ``batch`` sequences per step)."""
+        weight_bound = batch * self.limits.copy_gbps * 1e9 / self.weight_bytes
+        return min(self.prefill_tokens_per_s(), weight_bound)
+
+    def workload_seconds(self, prompt_tokens: int, output_tokens: int, batch: int) -> float:
+        """Least time for a workload: prompt tokens compute-bound, outputs at ``batch``."""
+        return prompt_tokens / self.prefill_tokens_per_s() + output_tokens / self.decode_tokens_per_s(batch)

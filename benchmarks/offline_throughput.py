@@ -34,11 +34,13 @@ from typing import Any
 
 from benchmarks.common import (
     Measurement,
+    Roofline,
     Workload,
     cached_model,
     format_table,
     load_average,
     make_workload,
+    measure_machine,
     read_model_config,
     timed,
 )
@@ -428,6 +430,10 @@ def main(argv: list[str] | None = None) -> int:
         log(f"  {cb.output_tokens} tokens in {cb.seconds:.1f}s")
         agree[cb.system] = agreement(cb_outs, tandem_tokens)
 
+    log("machine limits (fp32 matmul, memory copy) ...")
+    roof = Roofline.for_model(model_dir, measure_machine())
+    decode_batch = min(len(wl), args.max_num_seqs)
+
     rows = []
     for m in [tandem, *static]:
         rows.append(_row(m, tandem))
@@ -463,6 +469,19 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("output tok: tokens the requests asked for; raw tok: tokens generated, padding included")
     print("Tandem: " + ", ".join(f"{k}={v}" for k, v in engine_info.items()))
+    bound_s = roof.workload_seconds(wl.prompt_tokens, wl.output_tokens, decode_batch)
+    print(
+        f"roofline: fp32 matmul {roof.limits.matmul_gflops:.0f} GFLOP/s, copy "
+        f"{roof.limits.copy_gbps:.1f} GB/s; {roof.flops_per_token / 1e6:.0f} MFLOP and "
+        f"{roof.weight_bytes / 2**20:.0f} MiB of weights per token/step; prefill "
+        f"{roof.prefill_tokens_per_s():.0f} tok/s, decode at batch {decode_batch} "
+        f"{roof.decode_tokens_per_s(decode_batch):.0f} tok/s, decode at batch 1 "
+        f"{roof.decode_tokens_per_s(1):.1f} tok/s"
+    )
+    print(
+        f"roofline for this workload: {bound_s:.1f} s, i.e. {wl.output_tokens / bound_s:.0f} output "
+        f"tok/s; Tandem reaches {100 * bound_s / tandem.seconds:.0f}% of it"
+    )
     if not args.skip_hf:
         print(
             f"HF generate(): static batches in request order, left padding, each batch runs "
@@ -495,6 +514,15 @@ def main(argv: list[str] | None = None) -> int:
             "hf_continuous_batching": None if cb is None else {**cb.to_dict(), "config": cb_info},
             "token_agreement_with_tandem": agree,
             "parity": None if parity is None else {"ok": parity[0], "detail": parity[1]},
+            "roofline": {
+                "matmul_gflops": roof.limits.matmul_gflops,
+                "copy_gbps": roof.limits.copy_gbps,
+                "flops_per_token": roof.flops_per_token,
+                "weight_bytes": roof.weight_bytes,
+                "decode_batch": decode_batch,
+                "workload_seconds": bound_s,
+                "tandem_fraction": bound_s / tandem.seconds,
+            },
         }
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)

@@ -147,7 +147,8 @@ class EngineConnection:
             return
         self.alive = False
         self.dead_reason = f"engine {self.index} at {self.address} is unavailable: {reason}"
-        logger.error(self.dead_reason)
+        # Our own shutdown is not an error; anything else is.
+        logger.log(logging.INFO if self._closing else logging.ERROR, self.dead_reason)
         self._send.put_nowait(None)  # ends the old stream's request iterator
         self.on_dead(self, self.dead_reason)
         if not self._closing:

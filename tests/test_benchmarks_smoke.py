@@ -69,3 +69,13 @@ def test_table_lists_every_system(smoke_run: tuple[str, dict]) -> None:
     ):
         assert name in stdout, stdout
     assert "torch threads:" in stdout
+
+
+def test_roofline_is_reported(smoke_run: tuple[str, dict]) -> None:
+    stdout, doc = smoke_run
+    roof = doc["roofline"]
+    assert roof["matmul_gflops"] > 0 and roof["copy_gbps"] > 0
+    assert roof["flops_per_token"] > 0 and roof["weight_bytes"] > 0
+    # The bound rests on rates measured in the same run, so only its sign is certain.
+    assert roof["workload_seconds"] > 0 and roof["tandem_fraction"] > 0
+    assert "roofline for this workload" in stdout
