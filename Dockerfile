@@ -14,6 +14,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
+# g++: the CPU attention kernel (kernels/csrc) is compiled by torch.utils.cpp_extension.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+
 # torch first, from PyTorch's CPU index (the PyPI wheel would pull in CUDA libraries);
 # `pip install .` then finds torch==2.13.0 satisfied and leaves it alone.
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
@@ -36,9 +41,13 @@ WORKDIR /home/tandem
 
 # TANDEM_MODEL: the checkpoint the engines load and the frontend tokenizes with.
 # TANDEM_CACHE_DIR: where a service would make the demo model if TANDEM_MODEL were unset.
+# TORCH_EXTENSIONS_DIR: where the CPU kernel is built (once per CPU model; the build
+# below is reused when the container runs on the same kind of CPU, rebuilt otherwise).
 ENV TANDEM_MODEL=/models/demo \
-    TANDEM_CACHE_DIR=/cache
-RUN tandem make-model --arch llama --preset demo --out /models/demo
+    TANDEM_CACHE_DIR=/cache \
+    TORCH_EXTENSIONS_DIR=/cache/torch_extensions
+RUN tandem make-model --arch llama --preset demo --out /models/demo \
+    && python -c "from kernels.cpu_ops import native_available; assert native_available()"
 
 EXPOSE 50051 8000
 

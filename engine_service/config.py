@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 import torch
 
+from kernels.onednn_linear import onednn_linear_available
+
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -80,9 +82,20 @@ class EngineConfig:
         default=20, metadata={"help": "Largest number of logprobs a request may ask for."}
     )
     seed: int = field(default=0, metadata={"help": "Seed of the engine's default random generator."})
-    attention_backend: Literal["auto", "torch", "triton"] = field(
+    attention_backend: Literal["auto", "torch", "cpu", "triton"] = field(
         default="auto",
-        metadata={"help": "auto: Triton on CUDA, PyTorch on CPU."},
+        metadata={
+            "help": "torch: PyTorch reference ops; cpu: those plus a native decode-attention "
+            "kernel compiled on first use; triton: Triton kernels. auto: triton on CUDA, "
+            "cpu on CPU when its kernel builds, else torch."
+        },
+    )
+    linear_backend: Literal["auto", "torch", "onednn"] = field(
+        default="auto",
+        metadata={
+            "help": "Linear layers: onednn (CPU, weights reordered once at load), torch "
+            "(F.linear), auto: onednn on CPU for float32/bfloat16 when torch has it."
+        },
     )
     num_threads: int | None = field(
         default=None, metadata={"help": "torch intra-op threads on CPU; default: all cores."}
@@ -109,9 +122,11 @@ class EngineConfig:
             raise ConfigError(
                 f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}"
             )
-        if self.attention_backend not in ("auto", "torch", "triton"):
+        if self.linear_backend not in ("auto", "torch", "onednn"):
+            raise ConfigError(f"linear_backend must be auto, torch or onednn, got {self.linear_backend!r}")
+        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise ConfigError(
-                f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}"
+                f"attention_backend must be auto, torch, cpu or triton, got {self.attention_backend!r}"
             )
 
     def _check_positive(self, name: str, allow_zero: bool = False) -> None:
@@ -134,10 +149,33 @@ class EngineConfig:
         return _DTYPES[self.dtype]
 
     @property
-    def resolved_attention_backend(self) -> Literal["torch", "triton"]:
+    def resolved_attention_backend(self) -> Literal["torch", "cpu", "triton"]:
         if self.attention_backend == "auto":
-            return "triton" if self.torch_device.type == "cuda" else "torch"
+            if self.torch_device.type == "cuda":
+                return "triton"
+            from kernels.cpu_ops import native_available  # builds the kernel on first use
+
+            return "cpu" if native_available() else "torch"
+        if self.attention_backend == "cpu":
+            from kernels.cpu_ops import native_available
+
+            if self.torch_device.type != "cpu":
+                raise ConfigError(f"attention_backend=cpu needs the CPU device, got {self.torch_device}")
+            if not native_available():
+                raise ConfigError("attention_backend=cpu: its native kernel could not be built (see the log)")
         return self.attention_backend
+
+    @property
+    def resolved_linear_backend(self) -> Literal["torch", "onednn"]:
+        available = onednn_linear_available(self.torch_device, self.torch_dtype)
+        if self.linear_backend == "auto":
+            return "onednn" if available else "torch"
+        if self.linear_backend == "onednn" and not available:
+            raise ConfigError(
+                f"linear_backend=onednn needs a CPU device, float32 or bfloat16 and a torch "
+                f"built with oneDNN; got {self.torch_device}, {self.torch_dtype}"
+            )
+        return self.linear_backend
 
     # ---- CLI ---------------------------------------------------------------
 

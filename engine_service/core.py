@@ -62,6 +62,8 @@ class EngineCore:
             self.model, self.model_config = load_model(
                 config.model, config.torch_dtype, config.torch_device, ops
             )
+            if config.resolved_linear_backend == "onednn":
+                self.model.pack_linears()
             if span is not None:
                 span.set_attributes({
                     "tandem.model": config.model,

@@ -24,13 +24,20 @@ class KernelOps:
 
 
 def get_ops(backend: str) -> KernelOps:
-    """Return the ops of ``backend`` ("torch" or "triton")."""
+    """Return the ops of ``backend``: "torch" (PyTorch reference), "cpu" (reference plus
+    the native in-place decode attention, built on first use) or "triton"."""
+    mod: Any
     if backend == "torch":
         from kernels import reference as mod
+    elif backend == "cpu":
+        from kernels import cpu_ops as mod
+
+        if not mod.native_available():
+            raise RuntimeError("the cpu attention backend's native kernel could not be built; see the log")
     elif backend == "triton":
         from kernels import triton_ops as mod  # imports triton
     else:
-        raise ValueError(f"unknown attention backend {backend!r}; expected 'torch' or 'triton'")
+        raise ValueError(f"unknown attention backend {backend!r}; expected 'torch', 'cpu' or 'triton'")
     return KernelOps(
         name=backend,
         reshape_and_cache=mod.reshape_and_cache,

@@ -54,18 +54,20 @@ def _gather_blocks(
 
 
 @dataclass
-class _DecodePlan:
-    """The b sequences with one query token, as one padded batch."""
+class DecodePlan:
+    """The b sequences with one query token."""
 
-    tokens: torch.Tensor  # [b] int64: the query token of each decode sequence
-    blocks: torch.Tensor  # [b * max_blocks] int64
-    valid: torch.Tensor  # [b, padded] bool: key position < seq_len
-    pad_rows: torch.Tensor  # [num_pad] int64: rows of [b * padded] past their sequence
-    padded: int  # max_blocks * block_size
+    tokens: torch.Tensor  # [b] int64: the query token (row of query/out) of each
+    seqs: torch.Tensor  # [b] int64: its row of block_tables / seq_lens
+    # Only for the padded PyTorch path (``pad=True`` in ``plan_attention``):
+    blocks: torch.Tensor | None = None  # [b * max_blocks] int64
+    valid: torch.Tensor | None = None  # [b, padded] bool: key position < seq_len
+    pad_rows: torch.Tensor | None = None  # [num_pad] int64: rows of [b * padded] past their sequence
+    padded: int = 0  # max_blocks * block_size
 
 
 @dataclass
-class _AttentionPlan:
+class AttentionPlan:
     """Everything about one step's batch that is the same in every layer.
 
     Built by the first layer's call and kept in the caller's per-step ``workspace``.
@@ -73,16 +75,40 @@ class _AttentionPlan:
 
     # (first token, end token, seq_len, block ids [n] int64, causal mask [q_len, seq_len])
     prefills: list[tuple[int, int, int, torch.Tensor, torch.Tensor]]
-    decode: _DecodePlan | None
+    decode: DecodePlan | None
 
 
-def _plan_attention(
+def plan_attention(
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    block_size: int,
+    device: torch.device,
+    workspace: dict[str, Any] | None,
+    pad_decode: bool,
+) -> AttentionPlan:
+    """The step's plan, from ``workspace`` when an earlier layer built it already.
+
+    ``pad_decode``: also lay the decode sequences out as one padded batch (what the
+    PyTorch decode path needs; in-place kernels skip it).
+    """
+    key = "attention_plan_padded" if pad_decode else "attention_plan"
+    plan = workspace.get(key) if workspace is not None else None
+    if plan is None:
+        plan = _build_plan(query_start_loc, seq_lens, block_tables, block_size, device, pad_decode)
+        if workspace is not None:
+            workspace[key] = plan
+    return plan
+
+
+def _build_plan(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     block_size: int,
     device: torch.device,
-) -> _AttentionPlan:
+    pad_decode: bool,
+) -> AttentionPlan:
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     prefills = []
@@ -99,20 +125,19 @@ def _plan_attention(
             mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
             prefills.append((q_start, q_end, seq_len, blocks, mask))
     if not decode_seqs:
-        return _AttentionPlan(prefills, None)
-    max_blocks = (max(lens[s] for s in decode_seqs) + block_size - 1) // block_size
-    padded = max_blocks * block_size
+        return AttentionPlan(prefills, None)
     seq_idx = torch.tensor(decode_seqs, device=device)
-    ctx = torch.tensor([lens[s] for s in decode_seqs], device=device)  # [b]
-    valid = torch.arange(padded, device=device)[None, :] < ctx[:, None]  # [b, padded]
-    decode = _DecodePlan(
-        tokens=torch.tensor([starts[s] for s in decode_seqs], device=device),
-        blocks=block_tables[seq_idx, :max_blocks].long().flatten(),
-        valid=valid,
-        pad_rows=(~valid).flatten().nonzero().squeeze(1),
-        padded=padded,
+    decode = DecodePlan(
+        tokens=torch.tensor([starts[s] for s in decode_seqs], device=device), seqs=seq_idx
     )
-    return _AttentionPlan(prefills, decode)
+    if pad_decode:
+        max_blocks = (max(lens[s] for s in decode_seqs) + block_size - 1) // block_size
+        decode.padded = max_blocks * block_size
+        ctx = torch.tensor([lens[s] for s in decode_seqs], device=device)  # [b]
+        decode.valid = torch.arange(decode.padded, device=device)[None, :] < ctx[:, None]
+        decode.blocks = block_tables[seq_idx, :max_blocks].long().flatten()
+        decode.pad_rows = (~decode.valid).flatten().nonzero().squeeze(1)
+    return AttentionPlan(prefills, decode)
 
 
 def paged_attention(
@@ -135,13 +160,24 @@ def paged_attention(
     """
     if out is None:
         out = torch.empty_like(query)
-    plan = workspace.get("torch_attention_plan") if workspace is not None else None
-    if plan is None:
-        plan = _plan_attention(
-            query_start_loc, seq_lens, block_tables, key_cache.shape[1], query.device
-        )
-        if workspace is not None:
-            workspace["torch_attention_plan"] = plan
+    plan = plan_attention(
+        query_start_loc, seq_lens, block_tables, key_cache.shape[1], query.device, workspace, True
+    )
+    prefill_attention(query, key_cache, value_cache, plan, scale, out)
+    if plan.decode is not None:
+        _decode_attention(query, key_cache, value_cache, plan.decode, scale, out)
+    return out
+
+
+def prefill_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    plan: AttentionPlan,
+    scale: float,
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]: the prefill rows are written
+) -> None:
+    """The plan's prefill chunks (more than one query token), each on its own."""
     for q_start, q_end, seq_len, blocks, mask in plan.prefills:
         k = _gather_blocks(key_cache, blocks)[:seq_len]  # [seq_len, kvh, d]
         v = _gather_blocks(value_cache, blocks)[:seq_len]
@@ -154,26 +190,24 @@ def paged_attention(
             enable_gqa=True,
         )
         out[q_start:q_end] = o.transpose(0, 1).to(out.dtype)
-    if plan.decode is not None:
-        _decode_attention(query, key_cache, value_cache, plan.decode, scale, out)
-    return out
 
 
 def _decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
-    plan: _DecodePlan,
+    plan: DecodePlan,
     scale: float,
     out: torch.Tensor,
 ) -> None:
     """One padded batched attention for the sequences that have a single query token."""
+    assert plan.blocks is not None and plan.valid is not None and plan.pad_rows is not None
     num_kv_heads, head_dim = key_cache.shape[2:]
     num_heads = query.shape[1]
     b, padded = plan.tokens.shape[0], plan.padded
     k = _gather_blocks(key_cache, plan.blocks).view(b, padded, num_kv_heads, head_dim)
     v = _gather_blocks(value_cache, plan.blocks).view(b, padded, num_kv_heads, head_dim)
-    # Rows past a sequence's length are unwritten cache memory: a probability of 0 times
+    # Rows past a sequence's length hold stale cache memory: a probability of 0 times
     # a NaN there would still be NaN, so zero them (k and v are our own copies).
     k.view(b * padded, -1)[plan.pad_rows] = 0
     v.view(b * padded, -1)[plan.pad_rows] = 0

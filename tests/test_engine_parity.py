@@ -67,6 +67,11 @@ SETUPS = {
     "chunked": dict(max_num_batched_tokens=64, enable_prefix_caching=False),
     "preempt": dict(max_num_batched_tokens=512, num_gpu_blocks_override=40, enable_prefix_caching=False),
     "prefix": dict(max_num_batched_tokens=1024, enable_prefix_caching=True),
+    # The defaults above run the native decode attention and oneDNN linear layers;
+    # this one keeps the pure PyTorch path covered end to end.
+    "torch-ops": dict(
+        max_num_batched_tokens=256, enable_prefix_caching=False, attention_backend="torch", linear_backend="torch"
+    ),
 }
 
 

@@ -18,6 +18,7 @@ from engine_service.attention import AttentionMetadata
 from engine_service.models.config import ModelConfig
 from engine_service.models.rotary import build_cos_sin_cache
 from kernels.dispatch import KernelOps
+from kernels.onednn_linear import pack_weight, packed_linear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
 
@@ -46,10 +47,21 @@ class FusedLinear(nn.Module):
         device: torch.device,
     ) -> None:
         super().__init__()
-        self.weight = _empty_param(out_features, in_features, dtype=dtype, device=device)
+        # [out_features, in_features]; None once pack() moved it into packed_weight.
+        self.weight: nn.Parameter | None = _empty_param(out_features, in_features, dtype=dtype, device=device)
         self.bias = _empty_param(out_features, dtype=dtype, device=device) if bias else None
+        self.packed_weight: torch.Tensor | None = None  # opaque oneDNN layout, see pack()
+
+    def pack(self) -> None:
+        """Reorder the weight for oneDNN (CPU) and drop the dense copy."""
+        if self.weight is None:
+            return
+        self.packed_weight = pack_weight(self.weight)
+        self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None:
+            return packed_linear(x, self.packed_weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -193,10 +205,29 @@ class DecoderForCausalLM(nn.Module):
             device=device,
         )
         self.register_buffer("cos_sin_cache", cos_sin, persistent=False)  # [max_pos, head_dim] f32
+        self.lm_head_packed: torch.Tensor | None = None  # see pack_linears()
+
+    def pack_linears(self) -> None:
+        """Move every linear layer and the LM head onto oneDNN-packed weights (CPU).
+
+        The dense projection weights are freed. The LM head packs a copy: a tied
+        checkpoint's embedding lookup still needs the dense matrix, so tied models hold
+        ``vocab_size x hidden_size`` once more.
+        """
+        for module in self.modules():
+            if isinstance(module, FusedLinear):
+                module.pack()
+        self.lm_head_packed = pack_weight(self.lm_head_weight)
+        if self.lm_head is not None:
+            self.lm_head = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:  # [vocab_size, hidden_size]
-        return self.embed_tokens if self.lm_head is None else self.lm_head
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens
+        if self.lm_head is None:
+            raise RuntimeError("the LM head was packed for oneDNN; its dense weight is gone")
+        return self.lm_head
 
     def forward(
         self,
@@ -226,4 +257,6 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden_size]`` -> ``[n, vocab_size]`` float32 logits."""
+        if self.lm_head_packed is not None:
+            return packed_linear(hidden, self.lm_head_packed, None).float()
         return F.linear(hidden, self.lm_head_weight).float()

@@ -1,0 +1,97 @@
+"""The CPU backend's native decode attention and the oneDNN linear layers, against the
+PyTorch reference, with fresh random inputs (the seed is in every failure message)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_ops
+from kernels.onednn_linear import onednn_linear_available, pack_weight, packed_linear
+from tests.test_kernels import _fresh_seed, _paged_batch, _reference_attention_per_seq
+
+_TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 1.6e-2}
+
+pytestmark = pytest.mark.skipif(
+    not cpu_ops.native_available(), reason="no C++ compiler: the cpu backend falls back to torch"
+)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 16, 8), (6, 2, 80, 32), (7, 1, 32, 16)],
+)
+def test_decode_attention_matches_reference(
+    dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int
+) -> None:
+    """Decodes mixed with prefill chunks; every cache row no sequence owns is NaN, so a
+    read outside a sequence's context shows up in its output."""
+    seed = _fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    num_seqs = int(torch.randint(3, 12, (), generator=gen))
+    query_lens = [1 if torch.rand((), generator=gen) < 0.7 else int(torch.randint(2, 40, (), generator=gen))
+                  for _ in range(num_seqs)]
+    query_lens[0] = 1
+    prefix_lens = torch.randint(0, 300, (num_seqs,), generator=gen).tolist()
+    batch = _paged_batch(gen, dtype, num_heads, num_kv_heads, head_dim, block_size, query_lens, prefix_lens)
+    scale = head_dim**-0.5
+    expected = _reference_attention_per_seq(batch, scale)
+    out = cpu_ops.paged_attention(**batch, scale=scale, workspace={})
+    assert not out.isnan().any(), f"seed={seed}"
+    tol = _TOL[dtype]
+    torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol, msg=f"seed={seed}")
+
+
+def test_decode_attention_writes_only_decode_rows_of_a_strided_out() -> None:
+    """``out`` may be a view with padded rows (the model's shared scratch is not): the
+    kernel honours its strides and leaves everything else alone."""
+    seed = _fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    batch = _paged_batch(gen, torch.float32, 4, 2, 64, 16, [1, 1, 1], [5, 40, 17])
+    expected = _reference_attention_per_seq(batch, 0.125)
+    backing = torch.full((3, 5, 64), 7.0)
+    out = backing[:, 1:, :]  # [3, 4, 64], row stride 5 * 64
+    cpu_ops.paged_attention(**batch, scale=0.125, out=out, workspace={})
+    torch.testing.assert_close(out, expected, msg=f"seed={seed}")
+    assert bool((backing[:, 0, :] == 7.0).all())
+
+
+def test_decode_attention_rejects_bad_tensors() -> None:
+    gen = torch.Generator().manual_seed(0)
+    batch = _paged_batch(gen, torch.float32, 4, 2, 64, 16, [1, 1], [5, 9])
+    out = torch.empty_like(batch["query"])
+    tokens = torch.tensor([0, 1])
+    args = [batch["query"], batch["key_cache"], batch["value_cache"]]
+    with pytest.raises(RuntimeError, match="block_tables"):
+        torch.ops.tandem_cpu.paged_attention_decode(
+            *args, batch["block_tables"].long(), batch["seq_lens"], tokens, tokens, 0.1, out
+        )
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        torch.ops.tandem_cpu.paged_attention_decode(
+            *args, batch["block_tables"], batch["seq_lens"], tokens, tokens, 0.1, out.double()
+        )
+
+
+@pytest.mark.skipif(
+    not onednn_linear_available(torch.device("cpu"), torch.float32), reason="torch built without oneDNN"
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(dtype: torch.dtype, bias: bool) -> None:
+    seed = _fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    out_f, in_f = int(torch.randint(1, 300, (), generator=gen)), int(torch.randint(1, 300, (), generator=gen))
+    weight = torch.randn(out_f, in_f, generator=gen).to(dtype)
+    b = torch.randn(out_f, generator=gen).to(dtype) if bias else None
+    packed = pack_weight(weight)
+    # One packed weight serves any number of rows, including a strided view.
+    for m in (1, 7, 64, 301):
+        x = torch.randn(m, in_f + 3, generator=gen).to(dtype)[:, :in_f]
+        expected = F.linear(x.double(), weight.double(), None if b is None else b.double())
+        tol = 1e-4 if dtype == torch.float32 else 0.05 * (in_f**0.5)
+        torch.testing.assert_close(packed_linear(x, packed, b).double(), expected, atol=tol, rtol=1e-2,
+                                   msg=f"seed={seed} m={m}")
+    with pytest.raises(ValueError, match="2-D"):
+        pack_weight(weight[0])
