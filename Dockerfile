@@ -46,8 +46,8 @@ WORKDIR /home/tandem
 ENV TANDEM_MODEL=/models/demo \
     TANDEM_CACHE_DIR=/cache \
     TORCH_EXTENSIONS_DIR=/cache/torch_extensions
-RUN tandem make-model --arch llama --preset demo --out /models/demo \
-    && python -c "from kernels.cpu_ops import native_available; assert native_available()"
+RUN tandem make-model --arch llama --preset demo --out /models/demo
+RUN python -c "from kernels.cpu_ops import native_available; assert native_available()"
 
 EXPOSE 50051 8000
 
