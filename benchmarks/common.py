@@ -242,30 +242,49 @@ def _cell(value: Any) -> str:
 
 @dataclass
 class MachineLimits:
-    matmul_gflops: float  # fp32 GEMM rate with the current torch threads
+    matmul_gflops: float  # fp32 GEMM rate with the current torch threads: the best below
     copy_gbps: float  # bytes read + written per second by a large tensor copy
+    matmul_gflops_torch: float = 0.0  # torch.mm (the BLAS torch was built with: MKL)
+    matmul_gflops_onednn: float = 0.0  # oneDNN with a pre-packed weight; 0 if unavailable
 
 
 def measure_machine(repeats: int = 5) -> MachineLimits:
-    """fp32 2048^3 matmul rate and large-copy bandwidth, best of ``repeats``."""
+    """fp32 2048^3 matmul rate and large-copy bandwidth, best of ``repeats``.
+
+    The matmul is timed through torch.mm and through oneDNN with the weight reordered
+    once (``kernels.onednn_linear``); on AMD CPUs MKL's fp32 GEMM reaches well under
+    half of what the cores can do, so the machine's rate is the faster of the two.
+    """
     import torch
+
+    from kernels.onednn_linear import onednn_linear_available, pack_weight, packed_linear
 
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     src = torch.randn(64 * 2**20)  # 256 MiB
     dst = torch.empty_like(src)
     torch.mm(a, b)
     dst.copy_(src)
+    flops = 2 * 2048**3
     best_mm = min(timed(lambda: torch.mm(a, b))[1].seconds for _ in range(repeats))
+    onednn = 0.0
+    if onednn_linear_available(torch.device("cpu"), torch.float32):
+        packed = pack_weight(b)
+        packed_linear(a, packed, None)
+        onednn = flops / min(timed(lambda: packed_linear(a, packed, None))[1].seconds for _ in range(repeats)) / 1e9
     best_copy = min(timed(lambda: dst.copy_(src))[1].seconds for _ in range(repeats))
-    return MachineLimits(2 * 2048**3 / best_mm / 1e9, 2 * src.numel() * 4 / best_copy / 1e9)
+    torch_rate = flops / best_mm / 1e9
+    return MachineLimits(
+        max(torch_rate, onednn), 2 * src.numel() * 4 / best_copy / 1e9, torch_rate, onednn
+    )
 
 
 @dataclass
 class Roofline:
     """Lower bounds for one model on one machine (fp32 weights)."""
 
-    flops_per_token: float  # 2 x (non-embedding parameters + the LM head)
-    weight_bytes: float  # bytes read per forward step: the same parameters, once
+    body_flops_per_token: float  # 2 x the parameters every token goes through, LM head excluded
+    head_flops_per_token: float  # 2 x the LM head: once per sampled token
+    weight_bytes: float  # bytes read per forward step: every parameter used, once
     limits: MachineLimits
 
     @classmethod
@@ -284,17 +303,24 @@ class Roofline:
                     total += numel
         embed = config["vocab_size"] * config["hidden_size"]
         tied = config.get("tie_word_embeddings", False)
-        # Compute reads the LM head once per token; tied embeddings are stored once.
-        used = total - embed + (embed if tied else 0)
-        return cls(2.0 * used, used * bytes_per_param, limits)
+        # The embedding is a lookup; the LM head (the same matrix when tied) a matmul.
+        body = total - embed - (0 if tied else embed)
+        return cls(2.0 * body, 2.0 * embed, (body + embed) * bytes_per_param, limits)
+
+    @property
+    def flops_per_token(self) -> float:
+        """A decode token: the body and the LM head."""
+        return self.body_flops_per_token + self.head_flops_per_token
 
     def prefill_tokens_per_s(self) -> float:
-        return self.limits.matmul_gflops * 1e9 / self.flops_per_token
+        """Compute-bound; the LM head runs once per prompt, not per token: left out."""
+        return self.limits.matmul_gflops * 1e9 / self.body_flops_per_token
 
-    def decode_tokens_per_s(self, batch: int) -> float:
+    def decode_tokens_per_s(self, batch: float) -> float:
         """min(compute-bound, weight-read-bound at ``batch`` sequences per step)."""
+        compute = self.limits.matmul_gflops * 1e9 / self.flops_per_token
         weight_bound = batch * self.limits.copy_gbps * 1e9 / self.weight_bytes
-        return min(self.prefill_tokens_per_s(), weight_bound)
+        return min(compute, weight_bound)
 
     def workload_seconds(self, prompt_tokens: int, output_tokens: int, batch: int) -> float:
         """Least time for a workload: prompt tokens compute-bound, outputs at ``batch``."""

@@ -149,6 +149,8 @@ def run_tandem(
     )
     core = EngineCore(config)
 
+    decode = {"steps": 0, "tokens": 0, "seconds": 0.0}  # steps in which every request decodes
+
     def drive(prompts: list[list[int]], max_tokens: list[int], tag: str) -> list[list[int]]:
         tokens: dict[str, list[int]] = {}
         for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
@@ -156,12 +158,24 @@ def run_tandem(
             tokens[rid] = []
             params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
             core.add_request(EngineCoreRequest(rid, prompt, params, eos_token_id=None))
+        sched = core.scheduler
         while core.has_unfinished_requests():
-            for out in core.step().outputs:
+            # Decode-only step: nothing waiting, every running request one token behind.
+            decode_only = len(sched.waiting) == 0 and all(
+                r.num_computed_tokens == r.num_tokens - 1 for r in sched.running
+            )
+            start = time.perf_counter()
+            outs = core.step().outputs
+            if decode_only:
+                decode["steps"] += 1
+                decode["tokens"] += len(outs)
+                decode["seconds"] += time.perf_counter() - start
+            for out in outs:
                 tokens[out.request_id].extend(out.new_token_ids)
         return [tokens[f"{tag}{i}"] for i in range(len(prompts))]
 
     drive(*_warmup_batch(wl), tag="warm")
+    decode.update(steps=0, tokens=0, seconds=0.0)
     outputs, t = timed(lambda: drive(wl.prompts, wl.max_tokens, tag="r"))
     _check_lengths("tandem", outputs, wl)
     info = {
@@ -172,6 +186,11 @@ def run_tandem(
         "enable_prefix_caching": config.enable_prefix_caching,
         "enable_chunked_prefill": config.enable_chunked_prefill,
         "dtype": str(config.torch_dtype).removeprefix("torch."),
+        "attention_backend": config.resolved_attention_backend,
+        "linear_backend": config.resolved_linear_backend,
+        "decode_only_steps": decode["steps"],
+        "decode_only_tokens": decode["tokens"],
+        "decode_only_seconds": round(decode["seconds"], 3),
     }
     total = sum(len(t) for t in outputs)
     return Measurement("Tandem EngineCore", total, t.seconds, total, t.cpu_seconds), outputs, info
@@ -470,10 +489,12 @@ def main(argv: list[str] | None = None) -> int:
     print("output tok: tokens the requests asked for; raw tok: tokens generated, padding included")
     print("Tandem: " + ", ".join(f"{k}={v}" for k, v in engine_info.items()))
     bound_s = roof.workload_seconds(wl.prompt_tokens, wl.output_tokens, decode_batch)
+    lim = roof.limits
     print(
-        f"roofline: fp32 matmul {roof.limits.matmul_gflops:.0f} GFLOP/s, copy "
-        f"{roof.limits.copy_gbps:.1f} GB/s; {roof.flops_per_token / 1e6:.0f} MFLOP and "
-        f"{roof.weight_bytes / 2**20:.0f} MiB of weights per token/step; prefill "
+        f"roofline: fp32 matmul {lim.matmul_gflops:.0f} GFLOP/s (torch.mm {lim.matmul_gflops_torch:.0f}, "
+        f"oneDNN packed {lim.matmul_gflops_onednn:.0f}), copy {lim.copy_gbps:.1f} GB/s; "
+        f"{roof.body_flops_per_token / 1e6:.0f} + {roof.head_flops_per_token / 1e6:.0f} (LM head) "
+        f"MFLOP and {roof.weight_bytes / 2**20:.0f} MiB of weights per token/step; prefill "
         f"{roof.prefill_tokens_per_s():.0f} tok/s, decode at batch {decode_batch} "
         f"{roof.decode_tokens_per_s(decode_batch):.0f} tok/s, decode at batch 1 "
         f"{roof.decode_tokens_per_s(1):.1f} tok/s"
@@ -482,6 +503,18 @@ def main(argv: list[str] | None = None) -> int:
         f"roofline for this workload: {bound_s:.1f} s, i.e. {wl.output_tokens / bound_s:.0f} output "
         f"tok/s; Tandem reaches {100 * bound_s / tandem.seconds:.0f}% of it"
     )
+    decode_fraction = None
+    if engine_info["decode_only_steps"]:
+        d_steps, d_tokens = engine_info["decode_only_steps"], engine_info["decode_only_tokens"]
+        d_rate = d_tokens / engine_info["decode_only_seconds"]
+        d_batch = d_tokens / d_steps
+        d_bound = roof.decode_tokens_per_s(d_batch)
+        decode_fraction = d_rate / d_bound
+        print(
+            f"Tandem decode: {d_steps} decode-only steps, mean batch {d_batch:.1f}, "
+            f"{d_rate:.0f} tok/s against a roofline of {d_bound:.0f} tok/s at that batch: "
+            f"{100 * decode_fraction:.0f}%"
+        )
     if not args.skip_hf:
         print(
             f"HF generate(): static batches in request order, left padding, each batch runs "
@@ -517,11 +550,15 @@ def main(argv: list[str] | None = None) -> int:
             "roofline": {
                 "matmul_gflops": roof.limits.matmul_gflops,
                 "copy_gbps": roof.limits.copy_gbps,
+                "matmul_gflops_torch": roof.limits.matmul_gflops_torch,
+                "matmul_gflops_onednn": roof.limits.matmul_gflops_onednn,
                 "flops_per_token": roof.flops_per_token,
+                "body_flops_per_token": roof.body_flops_per_token,
                 "weight_bytes": roof.weight_bytes,
                 "decode_batch": decode_batch,
                 "workload_seconds": bound_s,
                 "tandem_fraction": bound_s / tandem.seconds,
+                "tandem_decode_fraction": decode_fraction,
             },
         }
         with open(args.json, "w") as f:
