@@ -73,8 +73,9 @@ class AttentionPlan:
     Built by the first layer's call and kept in the caller's per-step ``workspace``.
     """
 
-    # (first token, end token, seq_len, block ids [n] int64, causal mask [q_len, seq_len])
-    prefills: list[tuple[int, int, int, torch.Tensor, torch.Tensor]]
+    # (first token, end token, seq_len, block ids [n] int64, mask [q_len, seq_len] bool, or
+    # None when the chunk is the whole sequence and plain causal attention applies)
+    prefills: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]]
     decode: DecodePlan | None
 
 
@@ -120,9 +121,11 @@ def _build_plan(
             decode_seqs.append(s)
         elif q_len > 1:
             blocks = block_tables[s, : (seq_len + block_size - 1) // block_size].long()
-            # Query i sits at position seq_len - q_len + i and sees keys 0..that position.
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
-            mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+            mask = None  # a whole prompt: plain causal attention
+            if q_len < seq_len:
+                # Query i sits at position seq_len - q_len + i and sees keys 0..that position.
+                q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+                mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
             prefills.append((q_start, q_end, seq_len, blocks, mask))
     if not decode_seqs:
         return AttentionPlan(prefills, None)
@@ -181,11 +184,14 @@ def prefill_attention(
     for q_start, q_end, seq_len, blocks, mask in plan.prefills:
         k = _gather_blocks(key_cache, blocks)[:seq_len]  # [seq_len, kvh, d]
         v = _gather_blocks(value_cache, blocks)[:seq_len]
+        # is_causal lets SDPA skip the masked upper triangle; a later chunk of a prompt
+        # needs the offset mask instead.
         o = F.scaled_dot_product_attention(
             query[q_start:q_end].transpose(0, 1).float(),  # [num_heads, q_len, head_dim]
             k.transpose(0, 1).float(),  # [kvh, seq_len, head_dim]
             v.transpose(0, 1).float(),
             attn_mask=mask,
+            is_causal=mask is None,
             scale=scale,
             enable_gqa=True,
         )
