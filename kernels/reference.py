@@ -186,16 +186,20 @@ def prefill_attention(
         v = _gather_blocks(value_cache, blocks)[:seq_len]
         # is_causal lets SDPA skip the masked upper triangle; a later chunk of a prompt
         # needs the offset mask instead.
+        q_len, num_heads, head_dim = q_end - q_start, query.shape[1], query.shape[2]
+        kvh = k.shape[1]
+        group = num_heads // kvh
+        # GQA as a [kvh, group] batch over expanded (not copied) K/V: SDPA's CPU flash
+        # kernel takes this; enable_gqa=True sent it to the slower math path.
         o = F.scaled_dot_product_attention(
-            query[q_start:q_end].transpose(0, 1).float(),  # [num_heads, q_len, head_dim]
-            k.transpose(0, 1).float(),  # [kvh, seq_len, head_dim]
-            v.transpose(0, 1).float(),
+            query[q_start:q_end].transpose(0, 1).float().view(kvh, group, q_len, head_dim),
+            k.transpose(0, 1).float()[:, None].expand(kvh, group, seq_len, head_dim),
+            v.transpose(0, 1).float()[:, None].expand(kvh, group, seq_len, head_dim),
             attn_mask=mask,
             is_causal=mask is None,
             scale=scale,
-            enable_gqa=True,
-        )
-        out[q_start:q_end] = o.transpose(0, 1).to(out.dtype)
+        )  # [kvh, group, q_len, head_dim]
+        out[q_start:q_end] = o.reshape(num_heads, q_len, head_dim).transpose(0, 1).to(out.dtype)
 
 
 def _decode_attention(
