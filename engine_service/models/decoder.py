@@ -218,8 +218,7 @@ class DecoderForCausalLM(nn.Module):
             if isinstance(module, FusedLinear):
                 module.pack()
         self.lm_head_packed = pack_weight(self.lm_head_weight)
-        if self.lm_head is not None:
-            self.lm_head = None
+        self.lm_head = None  # untied: the packed copy replaces it; tied: None already
 
     @property
     def lm_head_weight(self) -> torch.Tensor:  # [vocab_size, hidden_size]
