@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -148,7 +149,7 @@ def test_kv_blocks_follow_the_memory_budget(tiny_llama_dir: str) -> None:
 
 def test_core_loop_thread_and_utilities(tiny_llama_dir: str) -> None:
     core = EngineCore(EngineConfig(model=tiny_llama_dir, max_model_len=128, num_gpu_blocks_override=32))
-    loop = EngineCoreLoop(core)
+    loop = EngineCoreLoop(lambda: core)
     loop.start()
     loop.add_request(EngineCoreRequest("x", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)))
     loop.call_utility(UtilityCall(call_id=7, method="reset_prefix_cache"))
@@ -174,9 +175,37 @@ def test_core_loop_reports_engine_death(tiny_llama_dir: str) -> None:
         raise RuntimeError("simulated device failure")
 
     core.runner.execute = broken  # type: ignore[method-assign]
-    loop = EngineCoreLoop(core)
+    loop = EngineCoreLoop(lambda: core)
     loop.start()
     loop.add_request(EngineCoreRequest("x", [5, 6, 7], SamplingParams(max_tokens=5)))
     item = loop.outputs.get(timeout=30)
     assert isinstance(item, EngineDead) and "simulated device failure" in item.message
+    assert not loop.is_alive
+
+
+def test_core_loop_builds_the_core_on_its_own_thread(tiny_llama_dir: str) -> None:
+    # Every torch op of an engine process runs on the loop thread: one OpenMP team.
+    built_on: list[threading.Thread] = []
+
+    def make_core() -> EngineCore:
+        built_on.append(threading.current_thread())
+        return EngineCore(EngineConfig(model=tiny_llama_dir, max_model_len=128, num_gpu_blocks_override=32))
+
+    loop = EngineCoreLoop(make_core)
+    loop.start()
+    core = loop.started.result(timeout=60)
+    assert isinstance(core, EngineCore)
+    assert built_on == [loop._thread] and built_on[0] is not threading.current_thread()
+    loop.shutdown()
+
+
+def test_core_loop_start_up_failure_reaches_the_starter() -> None:
+    def make_core() -> EngineCore:
+        raise ConfigError("no such checkpoint")
+
+    loop = EngineCoreLoop(make_core)
+    loop.start()
+    with pytest.raises(ConfigError, match="no such checkpoint"):
+        loop.started.result(timeout=10)
+    loop._thread.join(5)
     assert not loop.is_alive
