@@ -1,9 +1,12 @@
-"""The CPU backend: the PyTorch reference ops plus a native decode-attention kernel.
+"""The CPU backend: native kernels where they pay, the PyTorch reference elsewhere.
 
 ``kernels/csrc/paged_attention_cpu.cpp`` reads the paged KV cache in place for
 sequences with one query token (decode), where the PyTorch path has to gather every
-sequence's blocks into a padded copy first, once per layer per step. Prefill chunks,
-cache writes, RMSNorm and rotary are the reference implementations.
+sequence's blocks into a padded copy first, once per layer per step. RMSNorm (with the
+residual add), rotary embedding and the cache write are single-pass native loops: the
+reference spends 5-20 small ops on each, per layer, and at decode batch sizes their
+dispatch cost is most of their time. Prefill attention is the reference (SDPA's flash
+kernel). Inputs outside a native kernel's layout or dtype contract take the reference.
 
 The C++ source is compiled on first use with ``torch.utils.cpp_extension`` (about half
 a minute on 2 cores; needs a C++ compiler and ``ninja``) into torch's extension cache
@@ -22,13 +25,8 @@ from typing import Any
 
 import torch
 
-from kernels.reference import (
-    plan_attention,
-    prefill_attention,
-    reshape_and_cache,
-    rms_norm,
-    rotary_embedding,
-)
+from kernels import reference
+from kernels.reference import plan_attention, prefill_attention
 
 __all__ = ["native_available", "paged_attention", "reshape_and_cache", "rms_norm", "rotary_embedding"]
 
@@ -51,7 +49,7 @@ def _cpu_fingerprint() -> str:
 @functools.cache
 def native_available() -> bool:
     """Build (first time) and load the native kernels; False, logged, when that fails."""
-    if hasattr(torch.ops, "tandem_cpu") and hasattr(torch.ops.tandem_cpu, "paged_attention_decode"):
+    if hasattr(torch.ops, "tandem_cpu") and hasattr(torch.ops.tandem_cpu, "reshape_and_cache"):
         return True
     try:
         from torch.utils.cpp_extension import load
@@ -101,3 +99,71 @@ def paged_attention(
             out,
         )
     return out
+
+
+def rms_norm(
+    x: torch.Tensor,  # [..., d]
+    weight: torch.Tensor,  # [d]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [..., d]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Same contract as ``kernels.reference.rms_norm``."""
+    d = x.shape[-1]
+    if x.device.type != "cpu" or weight.dtype != x.dtype or (residual is not None and residual.dtype != x.dtype):
+        return reference.rms_norm(x, weight, eps, residual)
+    rows = x.reshape(-1, d)
+    if rows.stride(1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=x.dtype)
+    if residual is None:
+        torch.ops.tandem_cpu.rms_norm(out, rows, weight.contiguous(), eps)
+        return out.view(x.shape), None
+    res_rows = residual.reshape(-1, d)
+    if res_rows.stride(1) != 1:
+        res_rows = res_rows.contiguous()
+    new_residual = torch.empty(rows.shape, dtype=x.dtype)
+    torch.ops.tandem_cpu.fused_add_rms_norm(out, new_residual, rows, res_rows, weight.contiguous(), eps)
+    return out.view(x.shape), new_residual.view(x.shape)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,  # [num_tokens] int64
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim] float32: cos | sin
+) -> None:
+    """Same contract as ``kernels.reference.rotary_embedding`` (in place)."""
+    if (
+        query.device.type != "cpu"
+        or cos_sin_cache.dtype != torch.float32
+        or query.dtype != key.dtype
+        or query.stride(-1) != 1
+        or key.stride(-1) != 1
+    ):
+        reference.rotary_embedding(positions, query, key, cos_sin_cache)
+        return
+    torch.ops.tandem_cpu.rotary_embedding(positions.contiguous(), query, key, cos_sin_cache)
+
+
+def reshape_and_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 marks a padding token
+) -> None:
+    """Same contract as ``kernels.reference.reshape_and_cache``."""
+    d = key.shape[-1]
+    if (
+        key.device.type != "cpu"
+        or key.dtype != key_cache.dtype
+        or value.dtype != key_cache.dtype
+        or key.stride(-1) != 1
+        or key.stride(-2) != d
+        or value.stride(-1) != 1
+        or value.stride(-2) != d
+        or slot_mapping.dtype != torch.int64
+    ):
+        reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        return
+    torch.ops.tandem_cpu.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping.contiguous())

@@ -1,5 +1,6 @@
-"""The CPU backend's native decode attention and the oneDNN linear layers, against the
-PyTorch reference, with fresh random inputs (the seed is in every failure message)."""
+"""The CPU backend's native kernels (decode attention, RMSNorm, rotary, cache write) and
+the oneDNN linear layers, against the PyTorch reference, with fresh random inputs (the
+seed is in every failure message)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops
+from kernels import cpu_ops, reference
 from kernels.onednn_linear import onednn_linear_available, pack_weight, packed_linear
 from tests.test_kernels import _fresh_seed, _paged_batch, _reference_attention_per_seq
 
@@ -72,6 +73,82 @@ def test_decode_attention_rejects_bad_tensors() -> None:
         torch.ops.tandem_cpu.paged_attention_decode(
             *args, batch["block_tables"], batch["seq_lens"], tokens, tokens, 0.1, out.double()
         )
+
+
+
+def _rand(gen: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_reference(dtype: torch.dtype, with_residual: bool) -> None:
+    seed = _fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    rows, d = int(torch.randint(1, 300, (), generator=gen)), int(torch.randint(1, 9, (), generator=gen)) * 64 + 16
+    # x is a column slice of a wider tensor: rows are strided, as a split of a fused output.
+    x = _rand(gen, rows, d + 32, dtype=dtype)[:, 16 : 16 + d]
+    weight = _rand(gen, d, dtype=dtype)
+    residual = _rand(gen, rows, d, dtype=dtype) if with_residual else None
+    got, got_res = cpu_ops.rms_norm(x, weight, 1e-6, residual)
+    want, want_res = reference.rms_norm(x, weight, 1e-6, residual)
+    tol = _TOL[dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol, msg=f"seed={seed}")
+    if with_residual:
+        assert got_res is not None and want_res is not None
+        torch.testing.assert_close(got_res, want_res, msg=f"seed={seed}")
+    else:
+        assert got_res is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rotary_embedding_matches_reference_on_strided_views(dtype: torch.dtype) -> None:
+    """q and k are views into one fused qkv row, as the model passes them."""
+    seed = _fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    n, heads, kv_heads, d = int(torch.randint(1, 200, (), generator=gen)), 6, 2, 64
+    max_pos = 512
+    cos_sin = _rand(gen, max_pos, d)
+    positions = torch.randint(0, max_pos, (n,), generator=gen)
+    qkv = _rand(gen, n, (heads + 2 * kv_heads) * d, dtype=dtype)
+    expected = qkv.clone()
+    for t in (qkv, expected):
+        q, k, _ = t.split((heads * d, kv_heads * d, kv_heads * d), dim=-1)
+        op = cpu_ops.rotary_embedding if t is qkv else reference.rotary_embedding
+        op(positions, q.view(n, heads, d), k.view(n, kv_heads, d), cos_sin)
+    tol = _TOL[dtype]
+    torch.testing.assert_close(qkv.float(), expected.float(), atol=tol, rtol=tol, msg=f"seed={seed}")
+
+
+def test_rotary_embedding_rejects_positions_outside_the_cache() -> None:
+    q, k = torch.zeros(2, 2, 8), torch.zeros(2, 1, 8)
+    with pytest.raises(RuntimeError, match="outside the rotary cache"):
+        cpu_ops.rotary_embedding(torch.tensor([0, 16]), q, k, torch.zeros(16, 8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reshape_and_cache_matches_reference_and_skips_padding(dtype: torch.dtype) -> None:
+    seed = _fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks, block_size, kvh, d = 12, 16, 3, 64
+    n = int(torch.randint(1, 60, (), generator=gen))
+    kv = _rand(gen, n, 2 * kvh * d + 8, dtype=dtype)  # strided token rows, heads contiguous
+    key = kv[:, : kvh * d].view(n, kvh, d)
+    value = kv[:, kvh * d : 2 * kvh * d].view(n, kvh, d)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:n]
+    slots[torch.rand(n, generator=gen) < 0.2] = -1  # padding tokens
+    caches = [torch.full((num_blocks, block_size, kvh, d), float("nan"), dtype=dtype) for _ in range(4)]
+    cpu_ops.reshape_and_cache(key, value, caches[0], caches[1], slots)
+    reference.reshape_and_cache(key, value, caches[2], caches[3], slots)
+    torch.testing.assert_close(caches[0], caches[2], equal_nan=True, msg=f"seed={seed}")
+    torch.testing.assert_close(caches[1], caches[3], equal_nan=True, msg=f"seed={seed}")
+
+
+def test_reshape_and_cache_rejects_a_slot_outside_the_cache() -> None:
+    key = torch.zeros(1, 1, 8)
+    cache = torch.zeros(2, 4, 1, 8)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_ops.reshape_and_cache(key, key, cache, cache.clone(), torch.tensor([8]))
 
 
 @pytest.mark.skipif(

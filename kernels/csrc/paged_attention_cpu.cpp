@@ -1,3 +1,8 @@
+// Native CPU kernels of the `cpu` backend (contracts in kernels/reference.py):
+//   paged_attention_decode  decode attention reading the paged KV cache in place;
+//   rms_norm / fused_add_rms_norm, rotary_embedding, reshape_and_cache: each one pass
+//   over its rows where the PyTorch reference takes 5-20 elementwise ops per layer.
+//
 // Decode attention on CPU that reads the paged KV cache in place.
 //
 // One query token per sequence (the decode case): for each (sequence, KV head) pair the
@@ -19,6 +24,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <initializer_list>
 #include <vector>
 
 namespace {
@@ -167,6 +174,182 @@ void paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache
   });
 }
 
+// ---- elementwise ops ----------------------------------------------------------------
+
+// Rows of `d` elements per parallel chunk: small batches (decode) stay on one thread,
+// where a parallel region would cost more than the work.
+inline int64_t row_grain(int64_t d) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(d, 1)); }
+
+void check_rows(const at::Tensor& t, const char* name, int64_t rows, int64_t d) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == d && t.stride(1) == 1,
+              name, " must be [rows, d] with contiguous rows");
+}
+
+// out[r] = x[r] / rms(x[r]) * weight; with a residual: h = x + residual is written to
+// residual_out and normalized instead. float32 math, outputs in x's dtype.
+template <typename T>
+void rms_norm_kernel(at::Tensor& out, const at::Tensor& x, const at::Tensor* residual, at::Tensor* residual_out,
+                     const at::Tensor& weight, double eps) {
+  const int64_t rows = x.size(0), d = x.size(1);
+  const T* x_ptr = x.data_ptr<T>();
+  const T* r_ptr = residual ? residual->data_ptr<T>() : nullptr;
+  T* ro_ptr = residual_out ? residual_out->data_ptr<T>() : nullptr;
+  const T* w_ptr = weight.data_ptr<T>();
+  T* o_ptr = out.data_ptr<T>();
+  const int64_t xs = x.stride(0), os = out.stride(0);
+  const int64_t rs = residual ? residual->stride(0) : 0, ros = residual_out ? residual_out->stride(0) : 0;
+  const float feps = static_cast<float>(eps);
+  at::parallel_for(0, rows, row_grain(d), [&](int64_t begin, int64_t end) {
+    std::vector<float> h(d);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x_ptr + r * xs;
+      float ss = 0.f;
+      if (r_ptr) {
+        const T* rr = r_ptr + r * rs;
+        T* ror = ro_ptr + r * ros;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < d; ++i) {
+          const float v = static_cast<float>(xr[i]) + static_cast<float>(rr[i]);
+          h[i] = v;
+          ror[i] = static_cast<T>(v);
+          ss += v * v;
+        }
+      } else {
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < d; ++i) {
+          const float v = static_cast<float>(xr[i]);
+          h[i] = v;
+          ss += v * v;
+        }
+      }
+      const float inv = 1.f / std::sqrt(ss / static_cast<float>(d) + feps);
+      T* orow = o_ptr + r * os;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) orow[i] = static_cast<T>(h[i] * inv * static_cast<float>(w_ptr[i]));
+    }
+  });
+}
+
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const int64_t rows = x.size(0), d = x.size(1);
+  check_rows(x, "x", rows, d);
+  check_rows(out, "out", rows, d);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == d && weight.is_contiguous(), "weight must be [d], contiguous");
+  TORCH_CHECK(out.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(),
+              "x, weight and out must share a dtype");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_kernel<scalar_t>(out, x, nullptr, nullptr, weight, eps);
+  });
+}
+
+void fused_add_rms_norm(at::Tensor out, at::Tensor residual_out, const at::Tensor& x, const at::Tensor& residual,
+                        const at::Tensor& weight, double eps) {
+  const int64_t rows = x.size(0), d = x.size(1);
+  check_rows(x, "x", rows, d);
+  check_rows(out, "out", rows, d);
+  check_rows(residual, "residual", rows, d);
+  check_rows(residual_out, "residual_out", rows, d);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == d && weight.is_contiguous(), "weight must be [d], contiguous");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &residual, &residual_out, &weight}) {
+    TORCH_CHECK(t->scalar_type() == x.scalar_type(), "x, residual, weight and outputs must share a dtype");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fused_add_rms_norm", [&] {
+    rms_norm_kernel<scalar_t>(out, x, &residual, &residual_out, weight, eps);
+  });
+}
+
+// Neox-style rotary embedding (rotate halves) in place on t [num_tokens, heads, head_dim].
+template <typename T>
+void rotate(at::Tensor& t, const int64_t* pos, const float* cache, int64_t cache_stride) {
+  const int64_t n = t.size(0), heads = t.size(1), half = t.size(2) / 2;
+  const int64_t ts = t.stride(0), hs = t.stride(1);
+  T* base = t.data_ptr<T>();
+  at::parallel_for(0, n, row_grain(heads * half * 2), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* cos = cache + pos[i] * cache_stride;
+      const float* sin = cos + half;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* x1 = base + i * ts + h * hs;
+        T* x2 = x1 + half;
+#pragma omp simd
+        for (int64_t j = 0; j < half; ++j) {
+          const float a = static_cast<float>(x1[j]), b = static_cast<float>(x2[j]);
+          x1[j] = static_cast<T>(a * cos[j] - b * sin[j]);
+          x2[j] = static_cast<T>(b * cos[j] + a * sin[j]);
+        }
+      }
+    }
+  });
+}
+
+void rotary_embedding(const at::Tensor& positions, at::Tensor query, at::Tensor key, const at::Tensor& cos_sin_cache) {
+  TORCH_CHECK(positions.device().is_cpu() && query.device().is_cpu() && key.device().is_cpu() &&
+                  cos_sin_cache.device().is_cpu(),
+              "rotary_embedding: every tensor must be on the CPU");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.is_contiguous(),
+              "positions must be contiguous int64 [num_tokens]");
+  TORCH_CHECK(query.dim() == 3 && key.dim() == 3 && query.size(0) == positions.size(0) &&
+                  key.size(0) == positions.size(0) && query.size(2) == key.size(2) && query.size(2) % 2 == 0,
+              "query/key must be [num_tokens, heads, head_dim] with an even head_dim");
+  TORCH_CHECK(query.stride(2) == 1 && key.stride(2) == 1, "query/key rows must be contiguous in head_dim");
+  TORCH_CHECK(query.scalar_type() == key.scalar_type(), "query and key must share a dtype");
+  TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat && cos_sin_cache.dim() == 2 &&
+                  cos_sin_cache.stride(1) == 1 && cos_sin_cache.size(1) == query.size(2),
+              "cos_sin_cache must be float32 [max_position, head_dim]");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t max_pos = cos_sin_cache.size(0);
+  for (int64_t i = 0; i < positions.size(0); ++i) {
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < max_pos, "position ", pos[i], " is outside the rotary cache");
+  }
+  const float* cache = cos_sin_cache.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "rotary_embedding", [&] {
+    rotate<scalar_t>(query, pos, cache, cos_sin_cache.stride(0));
+    rotate<scalar_t>(key, pos, cache, cos_sin_cache.stride(0));
+  });
+}
+
+// key/value [num_tokens, kv_heads, head_dim] -> cache slot slot_mapping[t]; slots < 0 skipped.
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache, at::Tensor value_cache,
+                       const at::Tensor& slot_mapping) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&key, &value, &key_cache, &value_cache, &slot_mapping}) {
+    TORCH_CHECK(t->device().is_cpu(), "reshape_and_cache: every tensor must be on the CPU");
+  }
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  key_cache.sizes() == value_cache.sizes(),
+              "key/value cache must be contiguous [num_blocks, block_size, kv_heads, head_dim]");
+  const int64_t n = key.size(0), kvh = key_cache.size(2), d = key_cache.size(3);
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes() && key.size(1) == kvh && key.size(2) == d,
+              "key/value must be [num_tokens, kv_heads, head_dim] matching the cache");
+  TORCH_CHECK(key.stride(2) == 1 && key.stride(1) == d && value.stride(2) == 1 && value.stride(1) == d,
+              "key/value heads must be contiguous within a token");
+  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type() &&
+                  value_cache.scalar_type() == key_cache.scalar_type(),
+              "key, value and caches must share a dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == n &&
+                  slot_mapping.is_contiguous(),
+              "slot_mapping must be contiguous int64 [num_tokens]");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(1);
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(slots[i] < num_slots, "slot ", slots[i], " is outside the cache (", num_slots, " slots)");
+  }
+  const int64_t row = kvh * d;
+  const int64_t bytes = row * key.element_size();
+  const char* k = static_cast<const char*>(key.data_ptr());
+  const char* v = static_cast<const char*>(value.data_ptr());
+  char* kc = static_cast<char*>(key_cache.data_ptr());
+  char* vc = static_cast<char*>(value_cache.data_ptr());
+  const int64_t ks = key.stride(0) * key.element_size(), vs = value.stride(0) * value.element_size();
+  at::parallel_for(0, n, row_grain(row), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      if (slots[i] < 0) continue;
+      std::memcpy(kc + slots[i] * bytes, k + i * ks, bytes);
+      std::memcpy(vc + slots[i] * bytes, v + i * vs, bytes);
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tandem_cpu, m) {
@@ -174,4 +357,16 @@ TORCH_LIBRARY(tandem_cpu, m) {
       "paged_attention_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
       "Tensor seq_lens, Tensor token_index, Tensor seq_index, float scale, Tensor(a!) out) -> ()");
   m.impl("paged_attention_decode", c10::DispatchKey::CPU, &paged_attention_decode);
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.impl("rms_norm", c10::DispatchKey::CPU, &rms_norm);
+  m.def(
+      "fused_add_rms_norm(Tensor(a!) out, Tensor(b!) residual_out, Tensor x, Tensor residual, Tensor weight, "
+      "float eps) -> ()");
+  m.impl("fused_add_rms_norm", c10::DispatchKey::CPU, &fused_add_rms_norm);
+  m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos_sin_cache) -> ()");
+  m.impl("rotary_embedding", c10::DispatchKey::CPU, &rotary_embedding);
+  m.def(
+      "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+      "Tensor slot_mapping) -> ()");
+  m.impl("reshape_and_cache", c10::DispatchKey::CPU, &reshape_and_cache);
 }
