@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -76,7 +77,7 @@ class ModelRunner:
         self.kv = kv_manager
         self.device = config.torch_device
         self.block_size = config.block_size
-        self.sampler = Sampler()
+        self.sampler = Sampler(_argmax_for(config))
 
     # ---- inputs --------------------------------------------------------------
 
@@ -217,3 +218,12 @@ def profile_num_gpu_blocks(
         )
     logger.info("CUDA memory: peak %.2f GiB, %.2f GiB for the KV cache", peak / 2**30, available / 2**30)
     return available // block_bytes
+
+
+def _argmax_for(config: EngineConfig) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The native greedy argmax where the native CPU kernels are in use, else torch's."""
+    if config.resolved_attention_backend == "cpu":
+        from kernels import cpu_ops
+
+        return cpu_ops.argmax
+    return lambda logits: logits.argmax(dim=-1)

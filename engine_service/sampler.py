@@ -17,7 +17,7 @@ an argmax. On CPU the uniform draw dominates (about 6 ns per element).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -486,8 +486,19 @@ def exponential_race(
     return torch.div(probs, q, out=q).argmax(dim=-1)
 
 
+def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B]
+    return logits.argmax(dim=-1)
+
+
 class Sampler:
-    """Turns a step's logits into one token per row (plus logprobs when asked)."""
+    """Turns a step's logits into one token per row (plus logprobs when asked).
+
+    ``argmax``: picks greedy rows' tokens, ``[B, V] -> [B]`` first index of the max
+    (the CPU backend passes its native one).
+    """
+
+    def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] = _torch_argmax) -> None:
+        self.argmax = argmax
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits: [B, V] float32, row i is request i of ``metadata``."""
@@ -535,16 +546,15 @@ class Sampler:
             )
         return logits
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """Greedy rows: argmax; random rows: sampled on their own [R, V] sub-batch."""
         if md.all_greedy:
-            return logits.argmax(dim=-1)  # [B]
+            return self.argmax(logits)  # [B]
         if md.all_random:
             return _sample_random(
                 logits, md.temperature, md.min_p, md.top_k, md.top_p, md.generators
             )
-        sampled = logits.argmax(dim=-1)  # [B]
+        sampled = self.argmax(logits)  # [B]
         rows = (md.temperature >= _SAMPLING_EPS).nonzero().flatten()  # [R]
         position = {row: i for i, row in enumerate(rows.tolist())}
         # Generators of greedy rows are neither used nor advanced.

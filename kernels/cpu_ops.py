@@ -28,7 +28,7 @@ import torch
 from kernels import reference
 from kernels.reference import plan_attention, prefill_attention
 
-__all__ = ["native_available", "paged_attention", "reshape_and_cache", "rms_norm", "rotary_embedding"]
+__all__ = ["argmax", "native_available", "paged_attention", "reshape_and_cache", "rms_norm", "rotary_embedding"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ def _cpu_fingerprint() -> str:
 @functools.cache
 def native_available() -> bool:
     """Build (first time) and load the native kernels; False, logged, when that fails."""
-    if hasattr(torch.ops, "tandem_cpu") and hasattr(torch.ops.tandem_cpu, "reshape_and_cache"):
+    if hasattr(torch.ops, "tandem_cpu") and hasattr(torch.ops.tandem_cpu, "argmax_rows"):
         return True
     try:
         from torch.utils.cpp_extension import load
@@ -167,3 +167,13 @@ def reshape_and_cache(
         reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
         return
     torch.ops.tandem_cpu.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping.contiguous())
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B] int64
+    """``logits.argmax(dim=-1)`` (first index of the maximum), natively for float32."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1 \
+            or logits.shape[1] == 0:
+        return logits.argmax(dim=-1)
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    torch.ops.tandem_cpu.argmax_rows(logits, out)
+    return out

@@ -151,6 +151,21 @@ def test_reshape_and_cache_rejects_a_slot_outside_the_cache() -> None:
         cpu_ops.reshape_and_cache(key, key, cache, cache.clone(), torch.tensor([8]))
 
 
+
+def test_argmax_matches_torch_and_takes_the_first_of_ties() -> None:
+    seed = _fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    rows, vocab = int(torch.randint(1, 80, (), generator=gen)), int(torch.randint(1, 60000, (), generator=gen))
+    logits = _rand(gen, rows, vocab + 5)[:, :vocab]  # strided rows
+    # Ties: copy each row's max to a random earlier position (or keep it).
+    top = logits.argmax(dim=-1)
+    for r in range(rows):
+        j = int(torch.randint(0, int(top[r]) + 1, (), generator=gen))
+        logits[r, j] = logits[r, top[r]]
+    assert torch.equal(cpu_ops.argmax(logits), logits.argmax(dim=-1)), f"seed={seed}"
+    assert cpu_ops.argmax(torch.empty(0, vocab)).shape == (0,)
+
+
 @pytest.mark.skipif(
     not onednn_linear_available(torch.device("cpu"), torch.float32), reason="torch built without oneDNN"
 )

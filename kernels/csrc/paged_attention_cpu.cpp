@@ -1,7 +1,9 @@
 // Native CPU kernels of the `cpu` backend (contracts in kernels/reference.py):
 //   paged_attention_decode  decode attention reading the paged KV cache in place;
 //   rms_norm / fused_add_rms_norm, rotary_embedding, reshape_and_cache: each one pass
-//   over its rows where the PyTorch reference takes 5-20 elementwise ops per layer.
+//   over its rows where the PyTorch reference takes 5-20 elementwise ops per layer;
+//   argmax_rows: greedy sampling (torch's CPU argmax is not vectorized: 1.7 ms for
+//   [64, 49152] float32 on the bench machine, 6x its amax).
 //
 // Decode attention on CPU that reads the paged KV cache in place.
 //
@@ -350,6 +352,48 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   });
 }
 
+// out[r] = the first index of row r's maximum. Two passes over a row (a vectorized max,
+// then a scan for it) that stays in L2. Rows with NaNs (undefined under -ffast-math)
+// still get an index inside the row.
+void argmax_rows(const at::Tensor& logits, at::Tensor out) {
+  TORCH_CHECK(logits.device().is_cpu() && out.device().is_cpu(), "argmax_rows: tensors must be on the CPU");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1 && logits.size(1) > 0,
+              "logits must be float32 [rows, vocab] with contiguous rows");
+  TORCH_CHECK(out.scalar_type() == at::kLong && out.dim() == 1 && out.size(0) == logits.size(0) && out.is_contiguous(),
+              "out must be contiguous int64 [rows]");
+  const int64_t rows = logits.size(0), v = logits.size(1), stride = logits.stride(0);
+  const float* base = logits.data_ptr<float>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / v), [&](int64_t begin, int64_t end) {
+    constexpr int64_t L = 16;  // lanes: the compiler keeps these in one vector register
+    for (int64_t r = begin; r < end; ++r) {
+      const float* x = base + r * stride;
+      const int64_t body = v - v % L;
+      float lane[L];
+      for (int64_t l = 0; l < L; ++l) lane[l] = x[0];
+      for (int64_t i = 0; i < body; i += L) {
+        for (int64_t l = 0; l < L; ++l) lane[l] = lane[l] > x[i + l] ? lane[l] : x[i + l];
+      }
+      float m = x[0];
+      for (int64_t l = 0; l < L; ++l) m = lane[l] > m ? lane[l] : m;
+      for (int64_t i = body; i < v; ++i) m = x[i] > m ? x[i] : m;
+      int64_t idx = 0, i = 0;
+      for (; i < body; i += L) {  // the first block holding m, a vector compare per block
+        bool hit = false;
+        for (int64_t l = 0; l < L; ++l) hit |= x[i + l] == m;
+        if (hit) break;
+      }
+      for (; i < v; ++i) {
+        if (x[i] == m) {
+          idx = i;
+          break;
+        }
+      }
+      o[r] = idx;
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tandem_cpu, m) {
@@ -369,4 +413,6 @@ TORCH_LIBRARY(tandem_cpu, m) {
       "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
       "Tensor slot_mapping) -> ()");
   m.impl("reshape_and_cache", c10::DispatchKey::CPU, &reshape_and_cache);
+  m.def("argmax_rows(Tensor logits, Tensor(a!) out) -> ()");
+  m.impl("argmax_rows", c10::DispatchKey::CPU, &argmax_rows);
 }
