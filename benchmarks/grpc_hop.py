@@ -224,6 +224,9 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--serialize-requests", type=int, default=256)
     ap.add_argument("--smoke", action="store_true", help="tiny model, few requests")
+    ap.add_argument("--kv-cache-mib", type=int, default=256,
+                    help="KV-cache budget of both engines; the default 256 MiB holds about half of "
+                         "the 64 requests at once, so the run includes preemptions")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     random.seed(0)
@@ -252,7 +255,7 @@ def main() -> int:
 
     vocab = ModelConfig.from_pretrained(model).vocab_size
     prompts = [[random.randrange(5, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
-    engine_args = ["--max-model-len", "1024", "--kv-cache-memory-bytes", str(256 * 2**20),
+    engine_args = ["--max-model-len", "1024", "--kv-cache-memory-bytes", str(args.kv_cache_mib * 2**20),
                    "--num-threads", str(os.cpu_count() or 1)]
     stack = bench_stack(model, prompts, args.max_tokens, engine_args)
     print(f"\n{args.num_requests} requests x {args.prompt_len} prompt / {args.max_tokens} output tokens:")

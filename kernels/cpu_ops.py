@@ -5,8 +5,9 @@ sequences with one query token (decode), where the PyTorch path has to gather ev
 sequence's blocks into a padded copy first, once per layer per step. RMSNorm (with the
 residual add), rotary embedding and the cache write are single-pass native loops: the
 reference spends 5-20 small ops on each, per layer, and at decode batch sizes their
-dispatch cost is most of their time. Prefill attention is the reference (SDPA's flash
-kernel). Inputs outside a native kernel's layout or dtype contract take the reference.
+dispatch cost is most of their time. ``argmax`` is the sampler's greedy pick (torch's
+CPU argmax is not vectorized). Prefill attention is the reference (SDPA's flash kernel).
+Inputs outside a native kernel's layout or dtype contract take the reference.
 
 The C++ source is compiled on first use with ``torch.utils.cpp_extension`` (about half
 a minute on 2 cores; needs a C++ compiler and ``ninja``) into torch's extension cache
@@ -171,8 +172,13 @@ def reshape_and_cache(
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B] int64
     """``logits.argmax(dim=-1)`` (first index of the maximum), natively for float32."""
-    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(1) != 1 \
-            or logits.shape[1] == 0:
+    if (
+        logits.device.type != "cpu"
+        or logits.dtype != torch.float32
+        or logits.dim() != 2
+        or logits.stride(1) != 1
+        or logits.shape[1] == 0
+    ):
         return logits.argmax(dim=-1)
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     torch.ops.tandem_cpu.argmax_rows(logits, out)
