@@ -30,6 +30,10 @@ def generate_args_from_proto(msg: frontend_pb2.GenerateRequest) -> GenerateArgs:
         "request_id": msg.request_id if msg.HasField("request_id") else None,
         "priority": msg.priority,
         "cache_salt": msg.cache_salt if msg.HasField("cache_salt") else None,
+        "add_special_tokens": msg.add_special_tokens if msg.HasField("add_special_tokens") else None,
+        "add_generation_prompt": (
+            msg.add_generation_prompt if msg.HasField("add_generation_prompt") else None
+        ),
     }
     if kind == "prompt":
         kwargs["prompt"] = msg.prompt

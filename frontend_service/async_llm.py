@@ -126,9 +126,12 @@ class AsyncLLM:
         priority: int = 0,
         cache_salt: str | None = None,
         trace_headers: dict[str, str] | None = None,
+        add_special_tokens: bool | None = None,
+        add_generation_prompt: bool | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield outputs of one request; its ``request_id`` is the caller's id.
 
+        ``add_special_tokens`` / ``add_generation_prompt``: see ``InputProcessor.process``.
         ``trace_headers``: the caller's W3C ``traceparent``/``tracestate``. With tracing
         on, the request's span continues that trace and the engine gets the span's own
         context instead; with tracing off they are passed on to the engine as they are.
@@ -164,6 +167,8 @@ class AsyncLLM:
                 cache_salt=cache_salt,
                 client_index=self.client_index,
                 trace_headers=trace_headers,
+                add_special_tokens=add_special_tokens,
+                add_generation_prompt=add_generation_prompt,
             )
             if self._observing:
                 for req in processed.engine_requests:

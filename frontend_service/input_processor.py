@@ -70,14 +70,15 @@ class ChatRenderer:
             checked.append(dict(message))
         return checked
 
-    def render(self, messages: Any) -> str:
-        """The prompt text, ending with the generation prompt of the assistant turn."""
+    def render(self, messages: Any, add_generation_prompt: bool = True) -> str:
+        """The prompt text; with ``add_generation_prompt`` it ends with the template's cue
+        for the assistant's turn."""
         checked = self.validate(messages)
         if getattr(self._tokenizer, "chat_template", None) is None:
             raise InvalidRequestError("messages", messages, "the model has no chat template")
         try:
             text = self._tokenizer.apply_chat_template(
-                checked, add_generation_prompt=True, tokenize=False
+                checked, add_generation_prompt=add_generation_prompt, tokenize=False
             )
         except Exception as exc:  # template errors depend on user input
             raise InvalidRequestError("messages", messages, f"chat template failed: {exc}") from exc
@@ -124,8 +125,16 @@ class InputProcessor:
         cache_salt: str | None = None,
         client_index: int = 0,
         trace_headers: dict[str, str] | None = None,
+        add_special_tokens: bool | None = None,
+        add_generation_prompt: bool | None = None,
     ) -> ProcessedRequest:
-        """Validate one request given as exactly one of prompt, prompt_token_ids, messages."""
+        """Validate one request given as exactly one of prompt, prompt_token_ids, messages.
+
+        ``add_special_tokens``: add the tokenizer's special tokens (e.g. BOS) when
+        tokenizing; None: yes for a prompt, no for messages (templates add their own).
+        ``add_generation_prompt``: messages only; None: yes. Neither applies to
+        prompt_token_ids.
+        """
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id", request_id, "must be a non-empty string")
         params = SamplingParams() if sampling_params is None else sampling_params
@@ -139,7 +148,9 @@ class InputProcessor:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidRequestError("cache_salt", cache_salt, "must be a non-empty string")
 
-        field, text, token_ids = self._prompt_tokens(prompt, prompt_token_ids, messages)
+        field, text, token_ids = self._prompt_tokens(
+            prompt, prompt_token_ids, messages, add_special_tokens, add_generation_prompt
+        )
         if len(token_ids) >= self.max_model_len:
             raise InvalidRequestError(
                 field,
@@ -173,6 +184,8 @@ class InputProcessor:
         prompt: str | None,
         prompt_token_ids: Sequence[int] | None,
         messages: Sequence[Mapping[str, Any]] | None,
+        add_special_tokens: bool | None = None,
+        add_generation_prompt: bool | None = None,
     ) -> tuple[str, str | None, list[int]]:
         """(field name, prompt text, token ids) of the one input that was given."""
         given = [
@@ -195,9 +208,12 @@ class InputProcessor:
                 given[0], "...", "no tokenizer is loaded: send prompt_token_ids"
             )
         if messages is not None:
-            text = self._chat.render(messages)
-            # The template already wrote the special tokens it wants (BOS, turn markers).
-            ids = list(self._tokenizer.encode(text, add_special_tokens=False))
+            text = self._chat.render(
+                messages, True if add_generation_prompt is None else add_generation_prompt
+            )
+            # By default the template writes the special tokens it wants (BOS, turn markers).
+            special = False if add_special_tokens is None else add_special_tokens
+            ids = list(self._tokenizer.encode(text, add_special_tokens=special))
             field = "messages"
         else:
             if not isinstance(prompt, str):
@@ -205,7 +221,8 @@ class InputProcessor:
             if not prompt:
                 raise InvalidRequestError("prompt", prompt, "must not be empty")
             text = prompt
-            ids = list(self._tokenizer.encode(prompt, add_special_tokens=True))
+            special = True if add_special_tokens is None else add_special_tokens
+            ids = list(self._tokenizer.encode(prompt, add_special_tokens=special))
             field = "prompt"
         if not ids:
             raise InvalidRequestError(field, text, "tokenizes to no tokens")

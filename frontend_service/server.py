@@ -108,7 +108,8 @@ class GenerationServicer(frontend_pb2_grpc.GenerationServicer):
         try:
             if request.WhichOneof("input") == "chat":
                 messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-                text = ChatRenderer(tok).render(messages)
+                gen = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
+                text = ChatRenderer(tok).render(messages, gen)
                 special = request.add_special_tokens if request.HasField("add_special_tokens") else False
             else:
                 text = request.prompt

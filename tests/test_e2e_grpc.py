@@ -230,6 +230,25 @@ def test_chat_uses_chat_template(stub: frontend_pb2_grpc.GenerationStub, tokeniz
     assert joined(responses)[1] == list(offline.outputs[0].token_ids)
 
 
+
+def test_tokenization_flags_reach_the_prompt(stub: frontend_pb2_grpc.GenerationStub, tokenizer) -> None:
+    """add_special_tokens / add_generation_prompt on Generate and Tokenize."""
+    text = "Say hello."
+    (first, *_) = run(stub, frontend_pb2.GenerateRequest(
+        prompt=text, add_special_tokens=False, sampling_params=greedy(2)))
+    assert list(first.prompt_token_ids) == tokenizer.encode(text, add_special_tokens=False)
+    assert list(first.prompt_token_ids) != tokenizer.encode(text, add_special_tokens=True)
+
+    messages = [{"role": "user", "content": text}]
+    chat = frontend_pb2.ChatMessages(messages=[frontend_pb2.ChatMessage(**m) for m in messages])
+    (first, *_) = run(stub, frontend_pb2.GenerateRequest(
+        chat=chat, add_generation_prompt=False, sampling_params=greedy(2)))
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+    assert list(first.prompt_token_ids) == tokenizer.encode(rendered, add_special_tokens=False)
+    tokenized = stub.Tokenize(frontend_pb2.TokenizeRequest(chat=chat, add_generation_prompt=False))
+    assert list(tokenized.token_ids) == list(first.prompt_token_ids)
+
+
 # ---- 3. detokenization and stop strings ------------------------------------------------
 
 

@@ -71,6 +71,31 @@ def test_chat_messages_render_with_template_and_no_doubled_bos(
     assert ids[:2] != [tokenizer.bos_token_id] * 2
 
 
+
+def test_add_special_tokens_and_add_generation_prompt_are_honoured(
+    processor: InputProcessor, tokenizer: Any, rng: random.Random
+) -> None:
+    prompt = random_text(rng, rng.randint(1, 10))
+    with_bos = processor.process("p1", prompt=prompt).prompt_token_ids
+    without = processor.process("p2", prompt=prompt, add_special_tokens=False).prompt_token_ids
+    assert with_bos == tokenizer.encode(prompt, add_special_tokens=True)
+    assert without == tokenizer.encode(prompt, add_special_tokens=False)
+    assert with_bos != without  # this tokenizer adds <s>
+
+    messages = [{"role": "user", "content": random_text(rng, 3)}]
+    plain = processor.process("c1", messages=messages, add_generation_prompt=False)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+    assert plain.prompt == text and not text.endswith("assistant:")
+    cued = processor.process("c2", messages=messages)
+    assert cued.prompt != plain.prompt and cued.prompt.startswith(plain.prompt)
+    doubled = processor.process("c3", messages=messages, add_special_tokens=True)
+    assert doubled.prompt_token_ids == tokenizer.encode(cued.prompt, add_special_tokens=True)
+    # For token ids neither applies.
+    ids = [rng.randrange(processor.vocab_size) for _ in range(5)]
+    kept = processor.process("t", prompt_token_ids=ids, add_special_tokens=True, add_generation_prompt=False)
+    assert kept.prompt_token_ids == ids
+
+
 def test_n_fans_out_into_seeded_children(processor: InputProcessor) -> None:
     processed = processor.process("p", SamplingParams(n=3, seed=7), prompt="hello")
     requests = processed.engine_requests
