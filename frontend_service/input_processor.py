@@ -97,7 +97,11 @@ class InputProcessor:
         vocab_size: int,
         max_logprobs: int,
         eos_token_id: int | None,
+        extra_eos_token_ids: Sequence[int] = (),
     ) -> None:
+        """``extra_eos_token_ids``: the model's other end-of-sequence ids (e.g. the
+        generation_config.json list of a chat model): they stop a request as stop tokens
+        unless it sets ``ignore_eos``."""
         for name, value, low in (
             ("max_model_len", max_model_len, 1),
             ("vocab_size", vocab_size, 1),
@@ -111,6 +115,7 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.max_logprobs = max_logprobs
         self.eos_token_id = eos_token_id
+        self.extra_eos_token_ids = [t for t in dict.fromkeys(extra_eos_token_ids) if t != eos_token_id]
 
     def process(
         self,
@@ -256,9 +261,9 @@ class InputProcessor:
                 params.min_tokens,
                 f"must be <= the {min(max_tokens, room)} tokens this prompt leaves room for",
             )
+        stop_token_ids = list(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_token_ids += [t for t in self.extra_eos_token_ids if t not in stop_token_ids]
         return dataclasses.replace(
-            params,
-            max_tokens=max_tokens,
-            stop=list(params.stop),
-            stop_token_ids=list(params.stop_token_ids),
+            params, max_tokens=max_tokens, stop=list(params.stop), stop_token_ids=stop_token_ids
         )

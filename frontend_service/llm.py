@@ -34,6 +34,7 @@ class LLM:
             mc.vocab_size,
             self.engine.config.max_logprobs,
             self.tokenizer.eos_token_id,
+            mc.eos_token_ids,
         )
         self._counter = 0
 

@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from engine_service.models.config import ModelConfig
 from engine_service.server import tokenizer_fingerprint
 from frontend_service import api
 from frontend_service.async_llm import AsyncLLM, PauseMode
@@ -251,7 +252,10 @@ async def _serve_frontend(
         await group.close()
         raise
     eos = tokenizer.eos_token_id
-    processor = InputProcessor(tokenizer, info.max_model_len, info.vocab_size, info.max_logprobs, eos)
+    eos_ids = model_eos_token_ids(config.model)
+    processor = InputProcessor(
+        tokenizer, info.max_model_len, info.vocab_size, info.max_logprobs, eos, eos_ids
+    )
     model_name = info.served_model_name or config.model
     llm = AsyncLLM(
         tokenizer, group, processor, config.client_index,
@@ -274,6 +278,15 @@ async def _serve_frontend(
     await server.stop(2.0)
     await group.close()
     return 0
+
+
+def model_eos_token_ids(model_dir: str) -> list[int]:
+    """End-of-sequence ids of config.json and generation_config.json ([] if unreadable)."""
+    try:
+        return ModelConfig.from_pretrained(model_dir).eos_token_ids
+    except Exception as exc:  # the engines validate the checkpoint; here it only adds stop ids
+        logger.warning("cannot read end-of-sequence ids from %s: %s", model_dir, exc)
+        return []
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:

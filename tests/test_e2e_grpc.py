@@ -249,6 +249,22 @@ def test_tokenization_flags_reach_the_prompt(stub: frontend_pb2_grpc.GenerationS
     assert list(tokenized.token_ids) == list(first.prompt_token_ids)
 
 
+
+def test_generation_config_eos_ids_stop_a_request(stub: frontend_pb2_grpc.GenerationStub) -> None:
+    """The test checkpoints list <|im_end|> as a second eos id in generation_config.json."""
+    from engine_service.make_model import IM_END_ID
+
+    forced = params(DELTA, temperature=0.0, max_tokens=5, allowed_token_ids=[IM_END_ID])
+    responses = run(stub, frontend_pb2.GenerateRequest(prompt="Hi", sampling_params=forced))
+    final = responses[-1].outputs[0]
+    assert joined(responses)[1] == [IM_END_ID]
+    assert (final.finish_reason, final.stop_token_id) == ("stop", IM_END_ID)
+    forced.ignore_eos = True
+    responses = run(stub, frontend_pb2.GenerateRequest(prompt="Hi", sampling_params=forced))
+    assert joined(responses)[1] == [IM_END_ID] * 5
+    assert responses[-1].outputs[0].finish_reason == "length"
+
+
 # ---- 3. detokenization and stop strings ------------------------------------------------
 
 

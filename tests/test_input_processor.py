@@ -195,3 +195,13 @@ def test_constructor_rejects_bad_limits(tokenizer: Any) -> None:
         InputProcessor(tokenizer, 0, 100, 5, None)
     with pytest.raises(ValueError):
         InputProcessor(tokenizer, 10, 100, -1, None)
+
+
+def test_the_models_other_eos_ids_stop_unless_ignore_eos(tokenizer: Any) -> None:
+    eos = tokenizer.eos_token_id
+    processor = InputProcessor(tokenizer, MAX_MODEL_LEN, len(tokenizer), MAX_LOGPROBS, eos, [eos, 7, 9, 7])
+    stopping = processor.process("a", SamplingParams(stop_token_ids=[9, 3]), prompt="hi")
+    assert stopping.engine_requests[0].sampling_params.stop_token_ids == [9, 3, 7]
+    assert stopping.engine_requests[0].eos_token_id == eos
+    ignoring = processor.process("b", SamplingParams(stop_token_ids=[3], ignore_eos=True), prompt="hi")
+    assert ignoring.engine_requests[0].sampling_params.stop_token_ids == [3]
