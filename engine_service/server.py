@@ -1,9 +1,10 @@
 """The engine service: one EngineCore behind gRPC (``tandem engine``).
 
-Threads: the core's busy loop (``EngineCoreLoop``) loads the model and steps on its own thread; a pump
-thread turns each step's ``EngineCoreOutputs`` into one protobuf message per connected
-frontend, then feeds the metrics, the stats log and the request spans (all off the step
-loop); the asyncio event loop only moves messages between streams and queues.
+Threads: the core's busy loop (``EngineCoreLoop``) loads the model and steps on its
+own thread; a pump thread turns each step's ``EngineCoreOutputs`` into one protobuf
+message per connected frontend, then feeds the metrics, the stats log and the request
+spans (all off the step loop); the asyncio event loop only moves messages between
+streams and queues.
 """
 
 from __future__ import annotations
