@@ -3,7 +3,9 @@
 ``generate()`` validates and tokenizes a request, places it on an engine, and yields
 ``RequestOutput``s as the engine's per-step outputs arrive; closing the generator (a
 client cancel or disconnect) aborts the engine request. Text work (detokenization,
-stop strings, n>1) happens in the shared ``OutputProcessor``.
+stop strings, n>1) happens in the shared ``OutputProcessor``. A caller that reads
+slower than the engine steps gets the outputs queued meanwhile as one (deltas merged),
+so a lagging stream costs one message per read, not one per engine step.
 
 Observability: with a ``Tracing``, each request gets a SERVER span that continues the
 caller's W3C trace context and is injected into the engine requests' ``trace_headers``;
@@ -25,7 +27,7 @@ from typing import Any
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from engine_service.outputs import EngineCoreOutputs
-from engine_service.sampling_params import SamplingParams
+from engine_service.sampling_params import RequestOutputKind, SamplingParams
 from frontend_service.engine_client import (
     EngineConnection,
     EngineGroup,
@@ -34,7 +36,7 @@ from frontend_service.engine_client import (
 from frontend_service.input_processor import InputProcessor, ProcessedRequest
 from frontend_service.metrics import FrontendMetrics, SequenceTimes
 from frontend_service.output_processor import OutputProcessor
-from frontend_service.outputs import RequestOutput
+from frontend_service.outputs import RequestOutput, merge_request_outputs
 from tandem import telemetry
 from tandem.telemetry import Tracing
 
@@ -180,10 +182,20 @@ class AsyncLLM:
             try:
                 for req in processed.engine_requests:
                     engine.add_request(req)
+                delta = processed.sampling_params.output_kind == RequestOutputKind.DELTA
+                pending: RequestOutput | BaseException | None = None
                 while True:
-                    item = await stream.queue.get()
+                    item = pending if pending is not None else await stream.queue.get()
+                    pending = None
                     if isinstance(item, BaseException):
                         raise item
+                    # A reader that fell behind gets what has queued up as one output.
+                    while not item.finished and not stream.queue.empty():
+                        later = stream.queue.get_nowait()
+                        if isinstance(later, BaseException):
+                            pending = later
+                            break
+                        item = merge_request_outputs(item, later, delta)
                     item.request_id = user_id
                     yield item
                     if item.finished:

@@ -68,3 +68,43 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     usage: RequestUsage = field(default_factory=RequestUsage)
+
+
+def merge_request_outputs(earlier: RequestOutput, later: RequestOutput, delta: bool) -> RequestOutput:
+    """One ``RequestOutput`` that says what ``earlier`` then ``later`` said.
+
+    For a reader that fell behind: its queued outputs go out as one message. With DELTA
+    output the completions' new text, token ids and logprobs are concatenated per index
+    (finish state, usage and cumulative logprob from ``later``); otherwise each output
+    already holds everything so far and ``later`` stands for both.
+    """
+    if not delta:
+        return later
+    by_index = {c.index: c for c in earlier.outputs}
+    for c in later.outputs:
+        before = by_index.get(c.index)
+        if before is None:
+            by_index[c.index] = c
+            continue
+        logprobs = c.logprobs
+        if before.logprobs is not None and c.logprobs is not None:
+            logprobs = before.logprobs + c.logprobs
+        by_index[c.index] = CompletionOutput(
+            index=c.index,
+            text=before.text + c.text,
+            token_ids=[*before.token_ids, *c.token_ids],
+            cumulative_logprob=c.cumulative_logprob,
+            logprobs=logprobs,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
+    return RequestOutput(
+        request_id=later.request_id,
+        prompt=earlier.prompt,
+        prompt_token_ids=earlier.prompt_token_ids,
+        outputs=[by_index[i] for i in sorted(by_index)],
+        finished=later.finished,
+        prompt_logprobs=earlier.prompt_logprobs if earlier.prompt_logprobs is not None else later.prompt_logprobs,
+        num_cached_tokens=later.num_cached_tokens,
+        usage=later.usage,
+    )

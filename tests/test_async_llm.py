@@ -1,0 +1,107 @@
+"""AsyncLLM without an engine service: outputs a slow reader has not taken are merged."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import pytest
+
+from engine_service.outputs import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+)
+from engine_service.sampling_params import RequestOutputKind, SamplingParams
+from frontend_service.async_llm import AsyncLLM
+from frontend_service.input_processor import InputProcessor
+from frontend_service.outputs import CompletionOutput, Logprob, RequestOutput, merge_request_outputs
+
+
+class FakeEngine:
+    """Stands in for an EngineConnection and its group: records what AsyncLLM sends."""
+
+    def __init__(self) -> None:
+        self.added: list[EngineCoreRequest] = []
+        self.aborted: list[str] = []
+
+    def pick(self) -> FakeEngine:
+        return self
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.added.append(request)
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.aborted += request_ids
+
+
+def _llm(tokenizer: Any) -> tuple[AsyncLLM, FakeEngine]:
+    engine = FakeEngine()
+    processor = InputProcessor(tokenizer, 512, len(tokenizer), 5, tokenizer.eos_token_id)
+    return AsyncLLM(tokenizer, engine, processor), engine  # type: ignore[arg-type]
+
+
+def _step(request_id: str, token: int, finish: FinishReason | None = None) -> EngineCoreOutputs:
+    return EngineCoreOutputs(outputs=[EngineCoreOutput(request_id, [token], finish_reason=finish)])
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])
+def test_a_reader_that_fell_behind_gets_one_merged_output(
+    tokenizer: Any, rng: random.Random, kind: RequestOutputKind
+) -> None:
+    async def scenario() -> tuple[list[RequestOutput], list[int]]:
+        llm, engine = _llm(tokenizer)
+        params = SamplingParams(max_tokens=6, output_kind=kind)
+        stream = llm.generate(params, prompt_token_ids=[5, 6, 7], request_id="r")
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0)  # the request reaches the (fake) engine
+        (request,) = engine.added
+        tokens = [rng.randrange(10, len(tokenizer)) for _ in range(6)]
+        llm.on_engine_outputs(engine, _step(request.request_id, tokens[0]))  # type: ignore[arg-type]
+        outs = [await first]
+        for token in tokens[1:4]:  # three steps before the reader comes back
+            llm.on_engine_outputs(engine, _step(request.request_id, token))  # type: ignore[arg-type]
+        outs.append(await stream.__anext__())
+        llm.on_engine_outputs(engine, _step(request.request_id, tokens[4]))  # type: ignore[arg-type]
+        llm.on_engine_outputs(engine, _step(request.request_id, tokens[5], FinishReason.LENGTH))  # type: ignore[arg-type]
+        outs += [out async for out in stream]
+        assert engine.aborted == []  # finished normally: nothing to abort
+        return outs, tokens
+
+    outs, tokens = asyncio.run(scenario())
+    assert len(outs) == 3  # 6 engine steps, 3 reads
+    assert [o.finished for o in outs] == [False, False, True]
+    assert all(o.request_id == "r" for o in outs)
+    ids = [o.outputs[0].token_ids for o in outs]
+    if kind == RequestOutputKind.DELTA:
+        assert ids == [tokens[:1], tokens[1:4], tokens[4:]]
+        assert "".join(o.outputs[0].text for o in outs) == tokenizer.decode(tokens, skip_special_tokens=True)
+    else:
+        assert ids == [tokens[:1], tokens[:4], tokens]
+    assert outs[-1].outputs[0].finish_reason == "length"
+    assert outs[-1].usage.completion_tokens == 6
+
+
+def _completion(index: int, ids: list[int], finish: str | None = None) -> CompletionOutput:
+    return CompletionOutput(
+        index=index, text="".join(f"<{t}>" for t in ids), token_ids=ids,
+        cumulative_logprob=-float(len(ids)), logprobs=[{t: Logprob(-1.0, 1)} for t in ids],
+        finish_reason=finish,  # type: ignore[arg-type]
+    )
+
+
+def test_merge_of_delta_outputs_concatenates_per_completion_index() -> None:
+    earlier = RequestOutput("r", "p", [1, 2], [_completion(0, [3]), _completion(1, [4, 5])], False,
+                            prompt_logprobs=[None, {2: Logprob(-0.5, 1)}])
+    later = RequestOutput("r", "p", [1, 2], [_completion(0, [6], "stop"), _completion(2, [7])], False)
+    merged = merge_request_outputs(earlier, later, delta=True)
+    assert [c.index for c in merged.outputs] == [0, 1, 2]
+    zero = merged.outputs[0]
+    assert (zero.token_ids, zero.text, zero.finish_reason) == ([3, 6], "<3><6>", "stop")
+    assert zero.logprobs is not None and [list(p) for p in zero.logprobs] == [[3], [6]]
+    assert zero.cumulative_logprob == -1.0  # the later, running total
+    assert merged.outputs[1].token_ids == [4, 5] and merged.outputs[2].token_ids == [7]
+    assert merged.prompt_logprobs == earlier.prompt_logprobs
+    assert merge_request_outputs(earlier, later, delta=False) is later
