@@ -120,7 +120,7 @@ class EngineCoreLoop:
         try:
             while True:
                 block = not core.has_unfinished_requests()
-                if not self._drain_inputs(block):
+                if not self._drain_inputs(core, block):
                     return
                 if core.has_unfinished_requests():
                     self.outputs.put(core.step())
@@ -133,7 +133,7 @@ class EngineCoreLoop:
             self.dead = EngineDead(f"engine core failed: {type(exc).__name__}: {exc}")
             self.outputs.put(self.dead)
 
-    def _drain_inputs(self, block: bool) -> bool:
+    def _drain_inputs(self, core: EngineCore, block: bool) -> bool:
         """Apply every queued input; wait for one first if ``block``. False on shutdown."""
         try:
             item = self.inputs.get(block=block)
@@ -143,14 +143,13 @@ class EngineCoreLoop:
             kind, payload = item
             if kind is InputType.SHUTDOWN:
                 return False
-            self._apply(kind, payload)
+            self._apply(core, kind, payload)
             try:
                 item = self.inputs.get_nowait()
             except queue.Empty:
                 return True
 
-    def _apply(self, kind: InputType, payload: Any) -> None:
-        core = self.started.result()
+    def _apply(self, core: EngineCore, kind: InputType, payload: Any) -> None:
         if kind is InputType.ADD:
             try:
                 core.add_request(payload)
@@ -173,14 +172,15 @@ class EngineCoreLoop:
             core.abort_requests(payload)
         elif kind is InputType.UTILITY:
             self.outputs.put(
-                EngineCoreOutputs(engine_index=core.engine_index, utility_output=self._call(payload))
+                EngineCoreOutputs(engine_index=core.engine_index, utility_output=self._call(core, payload))
             )
 
-    def _call(self, call: UtilityCall) -> UtilityOutput:
+    @staticmethod
+    def _call(core: EngineCore, call: UtilityCall) -> UtilityOutput:
         method = UTILITY_METHODS.get(call.method)
         if method is None:
             return UtilityOutput(call.call_id, failure_message=f"unknown utility method {call.method!r}")
         try:
-            return UtilityOutput(call.call_id, result=method(self.started.result(), *call.args))
+            return UtilityOutput(call.call_id, result=method(core, *call.args))
         except Exception as exc:
             return UtilityOutput(call.call_id, failure_message=f"{type(exc).__name__}: {exc}")

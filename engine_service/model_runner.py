@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -77,7 +76,7 @@ class ModelRunner:
         self.kv = kv_manager
         self.device = config.torch_device
         self.block_size = config.block_size
-        self.sampler = Sampler(_argmax_for(config))
+        self.sampler = _sampler_for(config)
 
     # ---- inputs --------------------------------------------------------------
 
@@ -220,10 +219,11 @@ def profile_num_gpu_blocks(
     return available // block_bytes
 
 
-def _argmax_for(config: EngineConfig) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The native greedy argmax where the native CPU kernels are in use, else torch's."""
+
+def _sampler_for(config: EngineConfig) -> Sampler:
+    """Where the native CPU kernels are in use, greedy rows take their argmax too."""
     if config.resolved_attention_backend == "cpu":
         from kernels import cpu_ops
 
-        return cpu_ops.argmax
-    return lambda logits: logits.argmax(dim=-1)
+        return Sampler(argmax=cpu_ops.argmax)
+    return Sampler()

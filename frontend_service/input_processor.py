@@ -213,25 +213,45 @@ class InputProcessor:
                 given[0], "...", "no tokenizer is loaded: send prompt_token_ids"
             )
         if messages is not None:
-            text = self._chat.render(
-                messages, True if add_generation_prompt is None else add_generation_prompt
-            )
-            # By default the template writes the special tokens it wants (BOS, turn markers).
-            special = False if add_special_tokens is None else add_special_tokens
-            ids = list(self._tokenizer.encode(text, add_special_tokens=special))
             field = "messages"
         else:
             if not isinstance(prompt, str):
                 raise InvalidRequestError("prompt", prompt, "must be a string")
             if not prompt:
                 raise InvalidRequestError("prompt", prompt, "must not be empty")
-            text = prompt
-            special = True if add_special_tokens is None else add_special_tokens
-            ids = list(self._tokenizer.encode(prompt, add_special_tokens=special))
             field = "prompt"
+        text, ids = self.encode(
+            prompt=prompt,
+            messages=messages,
+            add_special_tokens=add_special_tokens,
+            add_generation_prompt=add_generation_prompt,
+        )
         if not ids:
             raise InvalidRequestError(field, text, "tokenizes to no tokens")
         return field, text, ids
+
+    def encode(
+        self,
+        *,
+        prompt: str | None = None,
+        messages: Any = None,
+        add_special_tokens: bool | None = None,
+        add_generation_prompt: bool | None = None,
+    ) -> tuple[str, list[int]]:
+        """(text, token ids) of ``messages`` rendered with the chat template, else of
+        ``prompt``, with the defaults described at ``process``; no length checks."""
+        if self._tokenizer is None or self._chat is None:
+            raise InvalidRequestError("prompt", "...", "no tokenizer is loaded")
+        if messages is not None:
+            text = self._chat.render(
+                messages, True if add_generation_prompt is None else add_generation_prompt
+            )
+            # By default the template writes the special tokens it wants (BOS, turn markers).
+            special = False if add_special_tokens is None else add_special_tokens
+        else:
+            text = prompt or ""
+            special = True if add_special_tokens is None else add_special_tokens
+        return text, list(self._tokenizer.encode(text, add_special_tokens=special))
 
     def _check_token_ids(self, token_ids: Any) -> list[int]:
         if isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence):

@@ -30,7 +30,7 @@ from frontend_service.engine_client import (
     TokenizerMismatchError,
 )
 from frontend_service.errors import abort_with
-from frontend_service.input_processor import ChatRenderer, InputProcessor
+from frontend_service.input_processor import InputProcessor
 from frontend_service.metrics import FrontendMetrics
 from tandem import telemetry
 from tandem.telemetry import Tracing
@@ -106,16 +106,18 @@ class GenerationServicer(frontend_pb2_grpc.GenerationServicer):
     ) -> frontend_pb2.TokenizeResponse:
         await self._require_ready(context)
         tok = self.llm.tokenizer
+        chat = request.WhichOneof("input") == "chat"
         try:
-            if request.WhichOneof("input") == "chat":
-                messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-                gen = request.add_generation_prompt if request.HasField("add_generation_prompt") else True
-                text = ChatRenderer(tok).render(messages, gen)
-                special = request.add_special_tokens if request.HasField("add_special_tokens") else False
-            else:
-                text = request.prompt
-                special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-            ids = tok.encode(text, add_special_tokens=special)
+            _, ids = self.llm.input_processor.encode(
+                prompt=None if chat else request.prompt,
+                messages=[{"role": m.role, "content": m.content} for m in request.chat.messages] if chat else None,
+                add_special_tokens=(
+                    request.add_special_tokens if request.HasField("add_special_tokens") else None
+                ),
+                add_generation_prompt=(
+                    request.add_generation_prompt if request.HasField("add_generation_prompt") else None
+                ),
+            )
         except Exception as exc:
             await abort_with(context, exc)
         strings = tok.convert_ids_to_tokens(ids) if request.return_token_strings else []

@@ -112,19 +112,19 @@ def rms_norm(
     d = x.shape[-1]
     if x.device.type != "cpu" or weight.dtype != x.dtype or (residual is not None and residual.dtype != x.dtype):
         return reference.rms_norm(x, weight, eps, residual)
-    rows = x.reshape(-1, d)
-    if rows.stride(1) != 1:
-        rows = rows.contiguous()
+    rows = _rows(x, d)
     out = torch.empty(rows.shape, dtype=x.dtype)
     if residual is None:
         torch.ops.tandem_cpu.rms_norm(out, rows, weight.contiguous(), eps)
         return out.view(x.shape), None
-    res_rows = residual.reshape(-1, d)
-    if res_rows.stride(1) != 1:
-        res_rows = res_rows.contiguous()
     new_residual = torch.empty(rows.shape, dtype=x.dtype)
-    torch.ops.tandem_cpu.fused_add_rms_norm(out, new_residual, rows, res_rows, weight.contiguous(), eps)
+    torch.ops.tandem_cpu.fused_add_rms_norm(out, new_residual, rows, _rows(residual, d), weight.contiguous(), eps)
     return out.view(x.shape), new_residual.view(x.shape)
+
+
+def _rows(t: torch.Tensor, d: int) -> torch.Tensor:  # [..., d] -> [rows, d], rows contiguous
+    rows = t.reshape(-1, d)
+    return rows if rows.stride(1) == 1 else rows.contiguous()
 
 
 def rotary_embedding(
