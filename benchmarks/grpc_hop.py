@@ -2,7 +2,7 @@
 
 1. Serialization: encode + decode of one engine step's EngineCoreOutputs for N requests
    (one new token each), domain objects -> bytes -> domain objects, as Protobuf (our
-   tandem.v1 messages, via engine_service.convert) and as msgspec array-like Structs
+   tandem.v1 messages, via tandem.protocol.convert) and as msgspec array-like Structs
    shaped like vLLM's.
 2. Full stack vs in-process: the same workload through ``tandem serve`` (client ->
    frontend -> engine over gRPC) and through the in-process ``LLM``; output tokens/s
@@ -28,8 +28,8 @@ from typing import Any
 
 import msgspec
 
-from engine_service import convert
-from engine_service.outputs import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from tandem.protocol import convert
+from tandem.protocol.outputs import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 
 
 class MsgOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -251,7 +251,7 @@ def main() -> int:
         from engine_service.make_model import demo_model_dir
 
         model = demo_model_dir()
-    from engine_service.models.config import ModelConfig
+    from tandem.protocol.model_config import ModelConfig
 
     vocab = ModelConfig.from_pretrained(model).vocab_size
     prompts = [[random.randrange(5, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]

@@ -137,8 +137,8 @@ def run_tandem(
 ) -> tuple[Measurement, list[list[int]], dict[str, Any]]:
     from engine_service.config import EngineConfig
     from engine_service.core import EngineCore
-    from engine_service.outputs import EngineCoreRequest
-    from engine_service.sampling_params import SamplingParams
+    from tandem.protocol.outputs import EngineCoreRequest
+    from tandem.protocol.sampling_params import SamplingParams
 
     config = EngineConfig(
         model=model_dir,

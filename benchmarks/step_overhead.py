@@ -22,8 +22,8 @@ from typing import Any
 
 from engine_service.config import EngineConfig
 from engine_service.core import EngineCore
-from engine_service.outputs import EngineCoreRequest
-from engine_service.sampling_params import SamplingParams
+from tandem.protocol.outputs import EngineCoreRequest
+from tandem.protocol.sampling_params import SamplingParams
 
 
 class _Timers:

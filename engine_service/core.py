@@ -20,19 +20,19 @@ from engine_service.model_runner import (
     kv_cache_block_bytes,
     profile_num_gpu_blocks,
 )
-from engine_service.models.config import ModelConfig
 from engine_service.models.loader import load_model
-from engine_service.outputs import (
+from engine_service.request import Request
+from engine_service.scheduler import Scheduler, SchedulerOutput
+from kernels.dispatch import get_ops
+from tandem.protocol.model_config import ModelConfig
+from tandem.protocol.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
     IterationStats,
 )
-from engine_service.request import Request
-from engine_service.sampling_params import InvalidRequestError
-from engine_service.scheduler import Scheduler, SchedulerOutput
-from kernels.dispatch import get_ops
+from tandem.protocol.sampling_params import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 

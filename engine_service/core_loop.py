@@ -28,14 +28,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine_service.core import EngineCore
-from engine_service.outputs import (
+from tandem.protocol.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
     UtilityOutput,
 )
-from engine_service.sampling_params import InvalidRequestError
+from tandem.protocol.sampling_params import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from engine_service.outputs import EngineCoreOutputs, SchedulerStats
+from tandem.protocol.outputs import EngineCoreOutputs, SchedulerStats
 
 logger = logging.getLogger(__name__)
 

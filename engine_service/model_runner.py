@@ -11,8 +11,6 @@ import torch
 from engine_service.attention import AttentionMetadata
 from engine_service.config import ConfigError, EngineConfig
 from engine_service.kv_cache.manager import KVCacheManager
-from engine_service.models.config import ModelConfig
-from engine_service.outputs import Logprobs
 from engine_service.sampler import (
     LogprobsTensors,
     Sampler,
@@ -20,6 +18,8 @@ from engine_service.sampler import (
     compute_logprobs_tensors,
 )
 from engine_service.scheduler import SchedulerOutput
+from tandem.protocol.model_config import ModelConfig
+from tandem.protocol.outputs import Logprobs
 
 logger = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from engine_service.outputs import EngineCoreRequest, FinishReason
-from engine_service.sampling_params import SamplingParams
+from tandem.protocol.outputs import EngineCoreRequest, FinishReason
+from tandem.protocol.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_service.outputs import Logprobs
-from engine_service.sampling_params import SamplingParams
+from tandem.protocol.outputs import Logprobs
+from tandem.protocol.sampling_params import SamplingParams
 
 _SAMPLING_EPS = 1e-5  # temperature below this is greedy (as SamplingParams.greedy)
 _NEG_INF = float("-inf")

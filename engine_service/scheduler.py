@@ -9,8 +9,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine_service.kv_cache.manager import KVCacheManager
-from engine_service.outputs import FinishReason, SchedulerStats
 from engine_service.request import Request, RequestStatus
+from tandem.protocol.outputs import FinishReason, SchedulerStats
 
 
 @dataclass

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
 import itertools
 import logging
 import os
@@ -30,35 +29,23 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from engine_service import convert
 from engine_service.config import EngineConfig
 from engine_service.core import EngineCore
 from engine_service.core_loop import EngineCoreLoop, EngineDead, UtilityCall
 from engine_service.cpu import keep_freed_memory_mapped
 from engine_service.metrics import EngineMetrics, StatsLogger
-from engine_service.outputs import EngineCoreOutput, EngineCoreOutputs, FinishReason
-from engine_service.sampling_params import InvalidRequestError, SamplingParams
 from engine_service.tracing import RequestSpanEmitter
 from tandem import telemetry
+from tandem.protocol import convert
+from tandem.protocol.fingerprint import tokenizer_fingerprint
+from tandem.protocol.outputs import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from tandem.protocol.sampling_params import InvalidRequestError, SamplingParams
 from tandem.telemetry import Tracing
 from tandem.v1 import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineCore"].full_name
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-
-
-def tokenizer_fingerprint(model_dir: str) -> str:
-    """sha256 over the tokenizer files: frontend and engine must agree on it."""
-    h = hashlib.sha256()
-    for name in TOKENIZER_FILES:
-        path = Path(model_dir) / name
-        if path.exists():
-            h.update(name.encode() + b"\x00" + path.read_bytes())
-    return h.hexdigest()
-
-
 @dataclass
 class EngineServerConfig:
     """Network settings of the engine service (engine settings live in EngineConfig)."""
@@ -354,7 +341,7 @@ def _warm_up(core: EngineCore) -> None:
     2048-token step took 2.7 s against 1.6 s warm. The warm-up's prompt is dropped
     from the prefix cache afterwards.
     """
-    from engine_service.outputs import EngineCoreRequest
+    from tandem.protocol.outputs import EngineCoreRequest
 
     n = max(1, min(core.config.max_num_batched_tokens, core.max_model_len - 2))
     prompt = [i % core.model_config.vocab_size for i in range(1, n + 1)]

@@ -21,9 +21,9 @@ from typing import Any
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from engine_service.outputs import FinishReason
 from engine_service.request import Request
 from tandem import telemetry
+from tandem.protocol.outputs import FinishReason
 from tandem.telemetry import Tracing, wall_ns
 
 

@@ -1,6 +1,24 @@
-"""Tandem's frontend: text, clients and engines. ``LLM`` is the in-process offline API."""
+"""Tandem's frontend: text, clients and engines. ``LLM`` is the in-process offline API.
 
-from engine_service.sampling_params import RequestOutputKind, SamplingParams
-from frontend_service.llm import LLM
+The frontend itself imports no torch; ``LLM`` runs an engine in-process, so it is
+imported (with the engine and torch) only when first used.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from tandem.protocol.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from frontend_service.llm import LLM
 
 __all__ = ["LLM", "RequestOutputKind", "SamplingParams"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "LLM":
+        from frontend_service.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'frontend_service' has no attribute {name!r}")

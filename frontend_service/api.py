@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine_service import convert
-from engine_service.sampling_params import InvalidRequestError, SamplingParams
 from frontend_service.outputs import CompletionOutput, Logprob, RequestOutput
+from tandem.protocol import convert
+from tandem.protocol.sampling_params import InvalidRequestError, SamplingParams
 from tandem.v1 import common_pb2, frontend_pb2
 
 

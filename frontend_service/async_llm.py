@@ -26,8 +26,6 @@ from typing import Any
 
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from engine_service.outputs import EngineCoreOutputs
-from engine_service.sampling_params import RequestOutputKind, SamplingParams
 from frontend_service.engine_client import (
     EngineConnection,
     EngineGroup,
@@ -38,6 +36,8 @@ from frontend_service.metrics import FrontendMetrics, SequenceTimes
 from frontend_service.output_processor import OutputProcessor
 from frontend_service.outputs import RequestOutput, merge_request_outputs
 from tandem import telemetry
+from tandem.protocol.outputs import EngineCoreOutputs
+from tandem.protocol.sampling_params import RequestOutputKind, SamplingParams
 from tandem.telemetry import Tracing
 
 logger = logging.getLogger(__name__)

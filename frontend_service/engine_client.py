@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine_service import convert
-from engine_service.outputs import EngineCoreOutputs, EngineCoreRequest
+from tandem.protocol import convert
+from tandem.protocol.outputs import EngineCoreOutputs, EngineCoreRequest
 from tandem.v1 import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)

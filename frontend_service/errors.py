@@ -7,9 +7,9 @@ import logging
 
 import grpc
 
-from engine_service.convert import ConversionError, EngineDeadError
-from engine_service.sampling_params import InvalidRequestError
 from frontend_service.engine_client import EngineUnavailableError, TokenizerMismatchError
+from tandem.protocol.convert import ConversionError, EngineDeadError
+from tandem.protocol.sampling_params import InvalidRequestError
 
 logger = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from numbers import Integral
 from typing import Any
 
-from engine_service.outputs import EngineCoreRequest
-from engine_service.sampling_params import InvalidRequestError, SamplingParams
 from frontend_service.output_processor import ParentRequest
+from tandem.protocol.outputs import EngineCoreRequest
+from tandem.protocol.sampling_params import InvalidRequestError, SamplingParams
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 

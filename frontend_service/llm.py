@@ -12,10 +12,10 @@ from typing import Any
 
 from engine_service.config import EngineConfig
 from engine_service.core import EngineCore
-from engine_service.sampling_params import InvalidRequestError, RequestOutputKind, SamplingParams
 from frontend_service.input_processor import InputProcessor
 from frontend_service.output_processor import OutputProcessor
 from frontend_service.outputs import RequestOutput
+from tandem.protocol.sampling_params import InvalidRequestError, RequestOutputKind, SamplingParams
 
 # A prompt: text, {"prompt_token_ids": [...]} or {"prompt": "..."}, or chat messages.
 PromptType = str | Mapping[str, Any] | Sequence[Mapping[str, Any]]

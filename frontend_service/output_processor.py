@@ -15,8 +15,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine_service.outputs import EngineCoreOutput, EngineCoreRequest, FinishReason, Logprobs
-from engine_service.sampling_params import InvalidRequestError, RequestOutputKind, SamplingParams
 from frontend_service.detokenizer import (
     OutputText,
     StopStringMatcher,
@@ -32,6 +30,8 @@ from frontend_service.outputs import (
     RequestUsage,
     SampleLogprobs,
 )
+from tandem.protocol.outputs import EngineCoreOutput, EngineCoreRequest, FinishReason, Logprobs
+from tandem.protocol.sampling_params import InvalidRequestError, RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from frontend_service.input_processor import ProcessedRequest

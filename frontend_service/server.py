@@ -19,8 +19,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine_service.models.config import ModelConfig
-from engine_service.server import tokenizer_fingerprint
 from frontend_service import api
 from frontend_service.async_llm import AsyncLLM, PauseMode
 from frontend_service.engine_client import (
@@ -33,6 +31,8 @@ from frontend_service.errors import abort_with
 from frontend_service.input_processor import InputProcessor
 from frontend_service.metrics import FrontendMetrics
 from tandem import telemetry
+from tandem.protocol.fingerprint import tokenizer_fingerprint
+from tandem.protocol.model_config import ModelConfig
 from tandem.telemetry import Tracing
 from tandem.v1 import frontend_pb2, frontend_pb2_grpc
 
@@ -309,8 +309,10 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
     engines = args.engines or [e for e in os.environ.get("TANDEM_ENGINES", "").split(",") if e]
     model = args.model
     if not model:
-        from engine_service.make_model import demo_model_dir
-
+        try:
+            from engine_service.make_model import demo_model_dir
+        except ImportError as exc:  # a frontend-only install: no torch to make the demo model
+            raise SystemExit(f"tandem frontend: --model DIR is required ({exc})") from None
         model = demo_model_dir()
     return FrontendConfig(
         model=model,

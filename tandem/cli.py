@@ -34,8 +34,8 @@ def _run_offline(args: argparse.Namespace) -> int:
     from engine_service.config import EngineConfig
     from engine_service.core import EngineCore
     from engine_service.make_model import demo_model_dir
-    from engine_service.outputs import EngineCoreRequest
-    from engine_service.sampling_params import SamplingParams
+    from tandem.protocol.outputs import EngineCoreRequest
+    from tandem.protocol.sampling_params import SamplingParams
 
     if not args.model:
         args.model = demo_model_dir()

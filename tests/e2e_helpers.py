@@ -31,9 +31,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine_service import convert
-from engine_service.outputs import EngineCoreRequest
-from engine_service.sampling_params import SamplingParams
+from tandem.protocol import convert
+from tandem.protocol.outputs import EngineCoreRequest
+from tandem.protocol.sampling_params import SamplingParams
 from tandem.v1 import engine_pb2, engine_pb2_grpc, frontend_pb2_grpc
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

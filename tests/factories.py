@@ -7,8 +7,8 @@ import random
 
 from engine_service.kv_cache.manager import KVCacheManager
 from engine_service.request import Request
-from engine_service.sampling_params import SamplingParams
 from engine_service.scheduler import Scheduler, SchedulerOutput
+from tandem.protocol.sampling_params import SamplingParams
 
 _ids = itertools.count()
 

@@ -8,16 +8,16 @@ from typing import Any
 
 import pytest
 
-from engine_service.outputs import (
+from frontend_service.async_llm import AsyncLLM
+from frontend_service.input_processor import InputProcessor
+from frontend_service.outputs import CompletionOutput, Logprob, RequestOutput, merge_request_outputs
+from tandem.protocol.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
 )
-from engine_service.sampling_params import RequestOutputKind, SamplingParams
-from frontend_service.async_llm import AsyncLLM
-from frontend_service.input_processor import InputProcessor
-from frontend_service.outputs import CompletionOutput, Logprob, RequestOutput, merge_request_outputs
+from tandem.protocol.sampling_params import RequestOutputKind, SamplingParams
 
 
 class FakeEngine:

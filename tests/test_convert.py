@@ -11,9 +11,9 @@ from typing import Any, TypeVar
 import pytest
 from google.protobuf.message import Message
 
-from engine_service import convert
-from engine_service.convert import ConversionError, EngineDeadError
-from engine_service.outputs import (
+from tandem.protocol import convert
+from tandem.protocol.convert import ConversionError, EngineDeadError
+from tandem.protocol.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -22,7 +22,7 @@ from engine_service.outputs import (
     SchedulerStats,
     UtilityOutput,
 )
-from engine_service.sampling_params import InvalidRequestError, RequestOutputKind, SamplingParams
+from tandem.protocol.sampling_params import InvalidRequestError, RequestOutputKind, SamplingParams
 from tandem.v1 import common_pb2, engine_pb2
 
 M = TypeVar("M", bound=Message)

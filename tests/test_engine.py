@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM
 from engine_service.config import ConfigError, EngineConfig
 from engine_service.core import EngineCore
 from engine_service.core_loop import EngineCoreLoop, EngineDead, UtilityCall
-from engine_service.outputs import EngineCoreOutputs, EngineCoreRequest, FinishReason
-from engine_service.sampling_params import InvalidRequestError, SamplingParams
+from tandem.protocol.outputs import EngineCoreOutputs, EngineCoreRequest, FinishReason
+from tandem.protocol.sampling_params import InvalidRequestError, SamplingParams
 
 
 @pytest.fixture(scope="module")

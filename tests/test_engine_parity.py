@@ -13,8 +13,8 @@ import pytest
 
 from engine_service.config import EngineConfig
 from engine_service.core import EngineCore
-from engine_service.outputs import EngineCoreRequest
-from engine_service.sampling_params import SamplingParams
+from tandem.protocol.outputs import EngineCoreRequest
+from tandem.protocol.sampling_params import SamplingParams
 from tests.factories import hf_greedy
 
 ARCHS = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"]
@@ -78,7 +78,7 @@ SETUPS = {
 @pytest.fixture(scope="module", params=ARCHS)
 def arch_case(request: pytest.FixtureRequest) -> tuple[str, list[list[int]], list[int], list[list[int]]]:
     model_dir = request.getfixturevalue(request.param)
-    from engine_service.models.config import ModelConfig
+    from tandem.protocol.model_config import ModelConfig
 
     vocab = ModelConfig.from_pretrained(model_dir).vocab_size
     prompts, max_tokens = _workload(vocab, seed=ARCHS.index(request.param))

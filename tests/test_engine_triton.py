@@ -24,8 +24,8 @@ CHILD = textwrap.dedent(
     from transformers import AutoModelForCausalLM
     from engine_service.config import EngineConfig
     from engine_service.core import EngineCore
-    from engine_service.outputs import EngineCoreRequest
-    from engine_service.sampling_params import SamplingParams
+    from tandem.protocol.outputs import EngineCoreRequest
+    from tandem.protocol.sampling_params import SamplingParams
 
     model_dir = sys.argv[1]
     rng = random.Random(7)

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from engine_service.sampling_params import InvalidRequestError, SamplingParams
 from frontend_service.input_processor import InputProcessor
+from tandem.protocol.sampling_params import InvalidRequestError, SamplingParams
 from tests.text_factories import build_test_tokenizer, random_text
 
 MAX_MODEL_LEN = 64

@@ -20,8 +20,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_service.metrics import EngineMetrics, HitRateWindow, StatsLogger
-from engine_service.outputs import EngineCoreOutputs, IterationStats, SchedulerStats
 from frontend_service.metrics import FrontendMetrics, SequenceTimes
+from tandem.protocol.outputs import EngineCoreOutputs, IterationStats, SchedulerStats
 from tandem.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 from tests.e2e_helpers import START_TIMEOUT, ServiceProcess, free_port, start_engine, start_frontend
 from tests.factories import fake_step, make_request, make_scheduler

@@ -14,9 +14,9 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine_service.attention import AttentionMetadata
 from engine_service.models import DecoderForCausalLM, ModelConfig, ModelLoadError, load_model
-from engine_service.models.config import SUPPORTED_ROPE_TYPES
 from engine_service.models.rotary import _INV_FREQ_BUILDERS, build_cos_sin_cache
 from kernels.dispatch import get_ops
+from tandem.protocol.model_config import SUPPORTED_ROPE_TYPES
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 24

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from engine_service.outputs import EngineCoreOutput, FinishReason, Logprobs
-from engine_service.sampling_params import InvalidRequestError, RequestOutputKind, SamplingParams
 from frontend_service.input_processor import InputProcessor, ProcessedRequest
 from frontend_service.output_processor import OutputProcessor, ParentRequest
 from frontend_service.outputs import RequestOutput
+from tandem.protocol.outputs import EngineCoreOutput, FinishReason, Logprobs
+from tandem.protocol.sampling_params import InvalidRequestError, RequestOutputKind, SamplingParams
 from tests.text_factories import (
     CJK,
     EMOJI,

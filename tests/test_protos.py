@@ -12,8 +12,8 @@ from types import ModuleType
 import pytest
 from google.protobuf import descriptor_pb2
 
-from engine_service.outputs import FinishReason
-from engine_service.sampling_params import RequestOutputKind
+from tandem.protocol.outputs import FinishReason
+from tandem.protocol.sampling_params import RequestOutputKind
 from tandem.v1 import (
     common_pb2,
     engine_pb2,

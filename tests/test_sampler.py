@@ -19,7 +19,7 @@ from engine_service.sampler import (
     apply_top_k_top_p,
     compute_logprobs_tensors,
 )
-from engine_service.sampling_params import SamplingParams
+from tandem.protocol.sampling_params import SamplingParams
 
 B, V = 8, 1000
 

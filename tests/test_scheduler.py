@@ -7,8 +7,8 @@ import random
 import pytest
 
 from engine_service.kv_cache.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
-from engine_service.outputs import FinishReason
 from engine_service.request import RequestStatus
+from tandem.protocol.outputs import FinishReason
 from tests.factories import fake_step, make_request, make_scheduler, run_until_done
 
 # ---- block pool -----------------------------------------------------------------------

@@ -32,9 +32,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 
-from engine_service.outputs import FinishReason
 from engine_service.tracing import RequestSpanEmitter
 from tandem import telemetry
+from tandem.protocol.outputs import FinishReason
 from tandem.telemetry import Tracing
 from tandem.v1 import common_pb2, engine_pb2, engine_pb2_grpc, frontend_pb2, frontend_pb2_grpc
 from tests.e2e_helpers import START_TIMEOUT, ServiceProcess, start_engine, start_frontend

@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_service.attention import AttentionMetadata
-from engine_service.models.config import ModelConfig
 from engine_service.models.rotary import build_cos_sin_cache
 from kernels.dispatch import KernelOps
 from kernels.onednn_linear import pack_weight, packed_linear
+from tandem.protocol.model_config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
 

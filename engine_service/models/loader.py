@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
-from engine_service.models.config import ModelConfig, ModelLoadError
 from engine_service.models.decoder import DecoderForCausalLM
 from kernels.dispatch import KernelOps
+from tandem.protocol.model_config import ModelConfig, ModelLoadError
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"

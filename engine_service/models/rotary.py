@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from engine_service.models.config import ModelLoadError
+from tandem.protocol.model_config import ModelLoadError
 
 
 def default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:

@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine_service.sampling_params import SamplingParams
+from tandem.protocol.sampling_params import SamplingParams
 
 
 class FinishReason(enum.IntEnum):

@@ -33,7 +33,7 @@ from itertools import accumulate, chain, compress, repeat
 from operator import attrgetter, not_
 from typing import Any
 
-from engine_service.outputs import (
+from tandem.protocol.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -42,7 +42,7 @@ from engine_service.outputs import (
     SchedulerStats,
     UtilityOutput,
 )
-from engine_service.sampling_params import InvalidRequestError, RequestOutputKind, SamplingParams
+from tandem.protocol.sampling_params import InvalidRequestError, RequestOutputKind, SamplingParams
 from tandem.v1 import common_pb2, engine_pb2
 
 __all__ = [
