@@ -12,7 +12,7 @@ class PoolingParams(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineCoreRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "pooling_params", "eos_token_id", "arrival_time", "priority", "cache_salt", "client_index", "external_req_id", "trace_headers", "data_parallel_rank")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "pooling_params", "eos_token_id", "arrival_time", "priority", "cache_salt", "client_index", "external_req_id", "trace_headers", "data_parallel_rank", "timeout_s")
     class TraceHeadersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class EngineCoreRequest(_message.Message):
     EXTERNAL_REQ_ID_FIELD_NUMBER: _ClassVar[int]
     TRACE_HEADERS_FIELD_NUMBER: _ClassVar[int]
     DATA_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _common_pb2.SamplingParams
@@ -44,7 +45,8 @@ class EngineCoreRequest(_message.Message):
     external_req_id: str
     trace_headers: _containers.ScalarMap[str, str]
     data_parallel_rank: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., pooling_params: _Optional[_Union[PoolingParams, _Mapping]] = ..., eos_token_id: _Optional[int] = ..., arrival_time: _Optional[float] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., client_index: _Optional[int] = ..., external_req_id: _Optional[str] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., data_parallel_rank: _Optional[int] = ...) -> None: ...
+    timeout_s: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., pooling_params: _Optional[_Union[PoolingParams, _Mapping]] = ..., eos_token_id: _Optional[int] = ..., arrival_time: _Optional[float] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., client_index: _Optional[int] = ..., external_req_id: _Optional[str] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., data_parallel_rank: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class AbortRequests(_message.Message):
     __slots__ = ("request_ids",)
@@ -115,7 +117,7 @@ class EngineCoreInput(_message.Message):
     def __init__(self, add: _Optional[_Union[EngineCoreRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequests, _Mapping]] = ..., utility: _Optional[_Union[UtilityCall, _Mapping]] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ...) -> None: ...
 
 class EngineCoreOutput(_message.Message):
-    __slots__ = ("request_id", "new_token_ids", "new_logprobs", "new_prompt_logprobs", "finish_reason", "stop_token_id", "stop_str", "num_cached_tokens", "trace_headers")
+    __slots__ = ("request_id", "new_token_ids", "new_logprobs", "new_prompt_logprobs", "finish_reason", "stop_token_id", "stop_str", "num_cached_tokens", "trace_headers", "error")
     class TraceHeadersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +134,7 @@ class EngineCoreOutput(_message.Message):
     STOP_STR_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRACE_HEADERS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     new_logprobs: _common_pb2.Logprobs
@@ -141,7 +144,18 @@ class EngineCoreOutput(_message.Message):
     stop_str: str
     num_cached_tokens: int
     trace_headers: _containers.ScalarMap[str, str]
-    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ..., new_prompt_logprobs: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_str: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., trace_headers: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    error: RequestError
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ..., new_prompt_logprobs: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_str: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ...) -> None: ...
+
+class RequestError(_message.Message):
+    __slots__ = ("code", "message", "retry_after_ms")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RETRY_AFTER_MS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    retry_after_ms: int
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., retry_after_ms: _Optional[int] = ...) -> None: ...
 
 class TokenColumns(_message.Message):
     __slots__ = ("request_ids", "num_new_tokens", "new_token_ids", "num_cached_tokens")
@@ -182,7 +196,7 @@ class EngineDead(_message.Message):
     def __init__(self, message: _Optional[str] = ...) -> None: ...
 
 class EngineCoreOutputs(_message.Message):
-    __slots__ = ("engine_index", "outputs", "scheduler_stats", "timestamp", "utility_output", "finished_requests", "engine_dead", "token_columns")
+    __slots__ = ("engine_index", "outputs", "scheduler_stats", "timestamp", "utility_output", "finished_requests", "engine_dead", "token_columns", "draining")
     ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_STATS_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +205,7 @@ class EngineCoreOutputs(_message.Message):
     FINISHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     ENGINE_DEAD_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     engine_index: int
     outputs: _containers.RepeatedCompositeFieldContainer[EngineCoreOutput]
     scheduler_stats: SchedulerStats
@@ -199,14 +214,15 @@ class EngineCoreOutputs(_message.Message):
     finished_requests: _containers.RepeatedScalarFieldContainer[str]
     engine_dead: EngineDead
     token_columns: TokenColumns
-    def __init__(self, engine_index: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[EngineCoreOutput, _Mapping]]] = ..., scheduler_stats: _Optional[_Union[SchedulerStats, _Mapping]] = ..., timestamp: _Optional[float] = ..., utility_output: _Optional[_Union[UtilityOutput, _Mapping]] = ..., finished_requests: _Optional[_Iterable[str]] = ..., engine_dead: _Optional[_Union[EngineDead, _Mapping]] = ..., token_columns: _Optional[_Union[TokenColumns, _Mapping]] = ...) -> None: ...
+    draining: bool
+    def __init__(self, engine_index: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[EngineCoreOutput, _Mapping]]] = ..., scheduler_stats: _Optional[_Union[SchedulerStats, _Mapping]] = ..., timestamp: _Optional[float] = ..., utility_output: _Optional[_Union[UtilityOutput, _Mapping]] = ..., finished_requests: _Optional[_Iterable[str]] = ..., engine_dead: _Optional[_Union[EngineDead, _Mapping]] = ..., token_columns: _Optional[_Union[TokenColumns, _Mapping]] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class GetEngineInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class GetEngineInfoResponse(_message.Message):
-    __slots__ = ("engine_index", "architecture", "model", "served_model_name", "max_model_len", "vocab_size", "block_size", "num_kv_blocks", "num_free_blocks", "num_running_reqs", "num_waiting_reqs", "tokenizer_fingerprint", "max_logprobs", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "dtype", "device")
+    __slots__ = ("engine_index", "architecture", "model", "served_model_name", "max_model_len", "vocab_size", "block_size", "num_kv_blocks", "num_free_blocks", "num_running_reqs", "num_waiting_reqs", "tokenizer_fingerprint", "max_logprobs", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "dtype", "device", "draining")
     ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +241,7 @@ class GetEngineInfoResponse(_message.Message):
     ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     engine_index: int
     architecture: str
     model: str
@@ -243,7 +260,8 @@ class GetEngineInfoResponse(_message.Message):
     enable_prefix_caching: bool
     dtype: str
     device: str
-    def __init__(self, engine_index: _Optional[int] = ..., architecture: _Optional[str] = ..., model: _Optional[str] = ..., served_model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    draining: bool
+    def __init__(self, engine_index: _Optional[int] = ..., architecture: _Optional[str] = ..., model: _Optional[str] = ..., served_model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class ResetPrefixCacheRequest(_message.Message):
     __slots__ = ()
