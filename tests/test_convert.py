@@ -17,8 +17,10 @@ from tandem.protocol.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    ErrorCode,
     FinishReason,
     Logprobs,
+    RequestError,
     SchedulerStats,
     UtilityOutput,
 )
@@ -84,6 +86,7 @@ def rand_request(rng: random.Random) -> EngineCoreRequest:
         client_index=rng.randint(0, 7),
         external_req_id=rng.choice([None, "", "client-id"]),
         trace_headers=maybe(rng, {"traceparent": f"00-{rng.getrandbits(128):032x}-01-01"}),
+        timeout_s=rng.choice([None, 0.0, rng.uniform(0.001, 600.0)]),
     )
 
 
@@ -126,6 +129,11 @@ def rand_output(rng: random.Random) -> EngineCoreOutput:
         stop_reason=rng.choice([None, 0, rng.randint(1, 50000), "", "</s>"]) if finish else None,
         num_cached_tokens=rng.randint(0, 4096),
         trace_headers=maybe(rng, {"traceparent": "00-abc-def-01", "tracestate": "k=v"}),
+        error=(
+            RequestError(rng.choice(list(ErrorCode)), "why", rng.choice([0, rng.randint(1, 10**6)]))
+            if finish is FinishReason.ERROR and rng.random() < 0.7
+            else None
+        ),
     )
 
 
@@ -139,6 +147,7 @@ def rand_outputs(rng: random.Random) -> EngineCoreOutputs:
             failure_message="boom" if failed else None,
         )
     return EngineCoreOutputs(
+        draining=rng.random() < 0.3,
         engine_index=rng.randint(0, 15),
         outputs=[rand_output(rng) for _ in range(rng.randint(0, 8))],
         scheduler_stats=maybe(
@@ -329,6 +338,7 @@ def is_plain(out: EngineCoreOutput) -> bool:
         and out.finish_reason is None
         and out.stop_reason is None
         and out.trace_headers is None
+        and out.error is None
     )
 
 
@@ -415,6 +425,17 @@ def test_details_keep_an_output_out_of_the_columns() -> None:
     assert list(msg.token_columns.request_ids) == ["plain"]
     assert list(msg.token_columns.num_new_tokens) == [0]
     assert_same_step(convert.engine_core_outputs_from_proto(msg), outs)
+
+
+def test_request_error_codes_on_the_wire() -> None:
+    err = RequestError(ErrorCode.RESOURCE_EXHAUSTED, "queue full", retry_after_ms=250)
+    out = EngineCoreOutput("r", [], finish_reason=FinishReason.ERROR, error=err)
+    msg = wire(convert.engine_core_outputs_to_proto(EngineCoreOutputs(outputs=[out], draining=True)))
+    assert msg.draining and msg.outputs[0].error.code == 8  # google.rpc.Code RESOURCE_EXHAUSTED
+    assert msg.outputs[0].error.retry_after_ms == 250
+    assert convert.engine_core_outputs_from_proto(msg).outputs == [out]
+    unknown = engine_pb2.RequestError(code=99, message="from a newer engine")
+    assert convert.request_error_from_proto(unknown).code is ErrorCode.INTERNAL
 
 
 def test_empty_step_has_no_columns() -> None:

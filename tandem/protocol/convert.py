@@ -37,8 +37,10 @@ from tandem.protocol.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    ErrorCode,
     FinishReason,
     Logprobs,
+    RequestError,
     SchedulerStats,
     UtilityOutput,
 )
@@ -64,6 +66,8 @@ __all__ = [
     "logprobs_to_proto",
     "output_kind_from_proto",
     "output_kind_to_proto",
+    "request_error_from_proto",
+    "request_error_to_proto",
     "sampling_params_from_proto",
     "sampling_params_to_proto",
     "scheduler_stats_from_proto",
@@ -215,6 +219,7 @@ def engine_core_request_to_proto(
         external_req_id=req.external_req_id,
         trace_headers=req.trace_headers,
         data_parallel_rank=data_parallel_rank,
+        timeout_s=req.timeout_s,
     )
 
 
@@ -240,6 +245,7 @@ def engine_core_request_from_proto(msg: engine_pb2.EngineCoreRequest) -> EngineC
         client_index=msg.client_index,
         external_req_id=msg.external_req_id if msg.HasField("external_req_id") else None,
         trace_headers=dict(msg.trace_headers) or None,
+        timeout_s=msg.timeout_s if msg.HasField("timeout_s") else None,
     )
 
 
@@ -402,6 +408,7 @@ def engine_core_output_to_proto(out: EngineCoreOutput) -> engine_pb2.EngineCoreO
         stop_str=stop if isinstance(stop, str) else None,
         num_cached_tokens=out.num_cached_tokens,
         trace_headers=out.trace_headers,
+        error=None if out.error is None else request_error_to_proto(out.error),
     )
 
 
@@ -419,7 +426,23 @@ def engine_core_output_from_proto(msg: engine_pb2.EngineCoreOutput) -> EngineCor
         stop_reason=None if stop_kind is None else getattr(msg, stop_kind),
         num_cached_tokens=msg.num_cached_tokens,
         trace_headers=dict(msg.trace_headers) or None,
+        error=request_error_from_proto(msg.error) if has("error") else None,
     )
+
+
+def request_error_to_proto(err: RequestError) -> engine_pb2.RequestError:
+    return engine_pb2.RequestError(
+        code=int(err.code), message=err.message, retry_after_ms=err.retry_after_ms
+    )
+
+
+def request_error_from_proto(msg: engine_pb2.RequestError) -> RequestError:
+    """A code this side does not know reads as INTERNAL."""
+    try:
+        code = ErrorCode(msg.code)
+    except ValueError:
+        code = ErrorCode.INTERNAL
+    return RequestError(code, msg.message, msg.retry_after_ms)
 
 
 def scheduler_stats_to_proto(stats: SchedulerStats) -> engine_pb2.SchedulerStats:
@@ -452,9 +475,9 @@ def scheduler_stats_from_proto(msg: engine_pb2.SchedulerStats) -> SchedulerStats
 # trace_headers dict does not count as unset here; it goes the detailed way and
 # reads back as None, as it always did.
 _detail_fields = attrgetter(
-    "new_logprobs", "new_prompt_logprobs", "finish_reason", "stop_reason", "trace_headers"
+    "new_logprobs", "new_prompt_logprobs", "finish_reason", "stop_reason", "trace_headers", "error"
 )
-_NO_DETAILS = (None,) * 5
+_NO_DETAILS = (None,) * 6
 _request_ids = attrgetter("request_id")
 _new_token_ids = attrgetter("new_token_ids")
 _num_cached_tokens = attrgetter("num_cached_tokens")
@@ -532,6 +555,7 @@ def engine_core_outputs_to_proto(outs: EngineCoreOutputs) -> engine_pb2.EngineCo
         timestamp=outs.timestamp,
         utility_output=None if utility is None else utility_output_to_proto(utility),
         finished_requests=outs.finished_requests,
+        draining=outs.draining,
     )
 
 
@@ -555,6 +579,7 @@ def engine_core_outputs_from_proto(msg: engine_pb2.EngineCoreOutputs) -> EngineC
             utility_output_from_proto(msg.utility_output) if has("utility_output") else None
         ),
         finished_requests=set(msg.finished_requests) or None,
+        draining=msg.draining,
     )
 
 

@@ -26,6 +26,25 @@ class FinishReason(enum.IntEnum):
         return self.name.lower()
 
 
+class ErrorCode(enum.IntEnum):
+    """gRPC status codes an engine may end a request with (google.rpc.Code numbering)."""
+
+    INVALID_ARGUMENT = 3  # the request is malformed
+    DEADLINE_EXCEEDED = 4  # the request's timeout_s passed
+    RESOURCE_EXHAUSTED = 8  # the engine's queue is full: another engine, or later
+    INTERNAL = 13  # the engine failed while running it
+    UNAVAILABLE = 14  # the engine is draining and took no new request: place it elsewhere
+
+
+@dataclass
+class RequestError:
+    """Why an engine ended a request with FinishReason.ERROR."""
+
+    code: ErrorCode
+    message: str
+    retry_after_ms: int = 0  # with RESOURCE_EXHAUSTED: expected wait; 0: no hint
+
+
 @dataclass
 class EngineCoreRequest:
     """A request as the engine receives it: tokens in, no text."""
@@ -40,6 +59,8 @@ class EngineCoreRequest:
     client_index: int = 0
     external_req_id: str | None = None
     trace_headers: dict[str, str] | None = None
+    # Seconds left until the client's deadline when the frontend sent it; None: none.
+    timeout_s: float | None = None
     # Engine-local, never sent: time.monotonic() when the engine service received it
     # (None: when the core got it). Queue time counts from here.
     received_time: float | None = field(default=None, compare=False)
@@ -75,6 +96,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None  # the stop token id (or stop string, frontend)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     trace_headers: dict[str, str] | None = None
+    error: RequestError | None = None  # set with FinishReason.ERROR: the status to report
 
     @property
     def finished(self) -> bool:
@@ -127,4 +149,5 @@ class EngineCoreOutputs:
     timestamp: float = field(default_factory=time.monotonic)
     utility_output: UtilityOutput | None = None
     finished_requests: set[str] | None = None
+    draining: bool = False  # the engine takes no new requests (graceful shutdown)
     iteration_stats: IterationStats | None = field(default=None, compare=False)  # engine-local
