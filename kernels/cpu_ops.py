@@ -13,15 +13,23 @@ The C++ source is compiled on first use with ``torch.utils.cpp_extension`` (abou
 a minute on 2 cores; needs a C++ compiler and ``ninja``) into torch's extension cache
 (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and loaded from there
 afterwards. ``native_available()`` says whether that worked; the engine falls back to
-the ``torch`` backend when it did not.
+the ``torch`` backend when it did not. Concurrent first uses (test workers, engines
+started together) build once: builders take an ``flock`` on the build directory, which
+the kernel releases when a builder dies, so a build killed half-way never blocks the
+next one (torch's own lock file would: it outlives its process and is waited on forever).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
 import os
+import sys
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -35,6 +43,9 @@ logger = logging.getLogger(__name__)
 
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "paged_attention_cpu.cpp")
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+# How long a process waits for another's build of the same extension before giving up
+# (and running the PyTorch reference). A cold build is ~30 s on 2 idle cores.
+_BUILD_WAIT_S = 900.0
 
 
 def _cpu_fingerprint() -> str:
@@ -47,22 +58,72 @@ def _cpu_fingerprint() -> str:
     return hashlib.sha256("".join(lines).encode()).hexdigest()[:10]
 
 
+def _extension_name() -> str:
+    """One build per CPU model/flags and torch version."""
+    torch_tag = hashlib.sha256(torch.__version__.encode()).hexdigest()[:6]
+    return f"tandem_cpu_kernels_{_cpu_fingerprint()}_{torch_tag}"
+
+
+def _build_directory(name: str) -> str:
+    """``$TORCH_EXTENSIONS_DIR/<name>``, else ``~/.cache/torch_extensions/py3XY_cpu/<name>``."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        get_default_build_root(), f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
+    )
+    path = os.path.join(root, name)
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+@contextlib.contextmanager
+def _exclusive(path: str, wait_s: float) -> Iterator[bool]:
+    """Hold an exclusive ``flock`` on ``path``; yields False if not had within ``wait_s``."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    yield False
+                    return
+                time.sleep(0.2)
+        try:
+            yield True
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
 @functools.cache
 def native_available() -> bool:
     """Build (first time) and load the native kernels; False, logged, when that fails."""
     if hasattr(torch.ops, "tandem_cpu") and hasattr(torch.ops.tandem_cpu, "argmax_rows"):
         return True
+    name = _extension_name()
     try:
         from torch.utils.cpp_extension import load
 
-        load(
-            name=f"tandem_cpu_kernels_{_cpu_fingerprint()}",
-            sources=[_SOURCE],
-            extra_cflags=_CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        build_dir = _build_directory(name)
+        with _exclusive(os.path.join(build_dir, "tandem-build.flock"), _BUILD_WAIT_S) as held:
+            if not held:
+                raise TimeoutError(f"another process held the build lock in {build_dir} for {_BUILD_WAIT_S:.0f} s")
+            # Holding the flock, no other builder is alive: a torch lock file here is stale.
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(build_dir, "lock"))
+            load(
+                name=name,
+                sources=[_SOURCE],
+                extra_cflags=_CFLAGS,
+                extra_ldflags=["-fopenmp"],
+                build_directory=build_dir,
+                is_python_module=False,
+                verbose=False,
+            )
     except Exception as exc:  # a missing compiler or ninja: the PyTorch path still works
         logger.warning("native CPU kernels unavailable, using the PyTorch reference: %s", exc)
         return False
