@@ -77,6 +77,8 @@ HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
 CMD ["tandem", "engine", "--host", "0.0.0.0", "--port", "50061"]
 
 # ---- the demo model's tokenizer and config, without its weights ----------------------------
+# (make-model needs torch, so building the frontend target builds the engine stage too; only
+# these files reach the frontend image.)
 FROM engine AS demo-tokenizer
 RUN mkdir /tmp/demo-tokenizer \
     && cp /models/demo/*.json /models/demo/*.jinja /tmp/demo-tokenizer/

@@ -134,7 +134,9 @@ def test_frontend_imports_without_torch(frontend_install: dict[str, str]) -> Non
     )
     assert proc.returncode == 0, proc.stderr
     # The engine's subcommands need torch; the frontend's and the client's do not.
-    assert proc.stdout.split() == ["frontend", "generate", "serve"]
+    subcommands = set(proc.stdout.split())
+    assert {"frontend", "generate"} <= subcommands
+    assert not subcommands & {"engine", "run", "make-model"}, subcommands
 
 
 def test_frontend_imports_no_torch_in_the_full_install() -> None:
