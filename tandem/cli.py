@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import sys
 import time
@@ -65,29 +66,38 @@ def _run_offline(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_services(sub: argparse._SubParsersAction) -> None:
+def _add_engine(sub: argparse._SubParsersAction) -> None:
     from engine_service import server as engine_server
+
+    engine_server.add_cli(sub)
+
+
+def _add_services(sub: argparse._SubParsersAction) -> None:
     from frontend_service import server as frontend_server
     from tandem import client, serve
 
-    engine_server.add_cli(sub)
     frontend_server.add_cli(sub)
     serve.add_cli(sub)
     client.add_cli(sub)
 
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    _add_make_model,
-    _add_run,
-    _add_services,
-]
+Adder = Callable[[argparse._SubParsersAction], None]
+# Subcommands that import the engine (torch): present only with the `engine` extra.
+ENGINE_SUBCOMMANDS: list[Adder] = [_add_make_model, _add_run, _add_engine]
+# Subcommands a frontend-only install (`pip install tandem`, no torch) can run.
+SUBCOMMANDS: list[Adder] = [_add_services]
+
+
+def engine_installed() -> bool:
+    """True when torch, and with it the engine, is importable."""
+    return importlib.util.find_spec("torch") is not None
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     parser.add_argument("--log-level", default="INFO", help="Python logging level.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in SUBCOMMANDS:
+    for add in (ENGINE_SUBCOMMANDS if engine_installed() else []) + SUBCOMMANDS:
         add(sub)
     return parser
 

@@ -1,47 +1,58 @@
 """Static checks of the container stack: Dockerfile, docker-compose.yml and deploy/ configs.
 
 No Docker engine is needed. The compose file is read with PyYAML and every ``tandem``
-command in it (and the image's CMD) is parsed with the real ``tandem`` argument parser,
+command in it (and each image's CMD) is parsed with the real ``tandem`` argument parser,
 under that service's environment, so ports, engine addresses, model paths and metrics
 ports are resolved exactly as the service would resolve them. ``docker-compose config``
-runs in addition when the binary is installed; the Python checks always run.
+runs in addition when the binary is installed; the Python checks always run. The
+Kubernetes manifests are checked in tests/test_deploy_k8s.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
+import fnmatch
 import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from concurrent import futures
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-from unittest import mock
 from urllib.parse import urlsplit
 
 import grpc
 import pytest
-import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tandem.cli import build_parser
+from tests.deploy_helpers import (
+    DOCKERFILE,
+    ROOT,
+    Stage,
+    chain_env,
+    dockerfile_stages,
+    env_flag_problems,
+    exec_form,
+    health_probe,
+    load_yaml,
+    parse_command,
+    split_addr,
+    stage_chain,
+    subparsers,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"
-DOCKERFILE = ROOT / "Dockerfile"
 COLLECTOR_FILE = ROOT / "deploy" / "otel-collector.yaml"
 PROMETHEUS_FILE = ROOT / "deploy" / "prometheus.yml"
 
 FRONTEND, ENGINES = "frontend", ("engine-0", "engine-1")
 COLLECTOR, JAEGER, PROMETHEUS = "otel-collector", "jaeger", "prometheus"
 TANDEM_SERVICES = (FRONTEND, *ENGINES)
+# The Dockerfile target each tandem service runs, and the subcommand that target's CMD runs.
+TARGETS = {FRONTEND: "frontend", **dict.fromkeys(ENGINES, "engine")}
 # --metrics-port defaults (TANDEM_METRICS_PORT overrides) per subcommand.
 DEFAULT_METRICS_PORT = {"frontend": 8000, "engine": 8001}
+DEFAULT_DRAIN_TIMEOUT = 30.0  # --drain-timeout's default (common.md)
 TORCH_PIN = "torch==2.13.0"
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
@@ -49,15 +60,9 @@ TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 # ---- loading ------------------------------------------------------------------------------
 
 
-def _load_yaml(path: Path) -> dict[str, Any]:
-    data = yaml.safe_load(path.read_text())
-    assert isinstance(data, dict), f"{path.name}: not a mapping"
-    return data
-
-
 @pytest.fixture(scope="module")
 def compose() -> dict[str, Any]:
-    return _load_yaml(COMPOSE_FILE)
+    return load_yaml(COMPOSE_FILE)
 
 
 @pytest.fixture(scope="module")
@@ -67,90 +72,20 @@ def services(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def collector() -> dict[str, Any]:
-    return _load_yaml(COLLECTOR_FILE)
+    return load_yaml(COLLECTOR_FILE)
 
 
 @pytest.fixture(scope="module")
 def prometheus() -> dict[str, Any]:
-    return _load_yaml(PROMETHEUS_FILE)
+    return load_yaml(PROMETHEUS_FILE)
 
 
-def _dockerfile_instructions() -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) pairs, with line continuations joined and comments dropped."""
-    out: list[tuple[str, str]] = []
-    pending = ""
-    for raw in DOCKERFILE.read_text().splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        if line.endswith("\\"):
-            pending += line[:-1] + " "
-            continue
-        line = pending + line
-        pending = ""
-        keyword, _, rest = line.partition(" ")
-        out.append((keyword.upper(), rest.strip()))
-    assert not pending, "Dockerfile ends inside a line continuation"
-    return out
-
-
-def _dockerfile_env() -> dict[str, str]:
-    env: dict[str, str] = {}
-    for keyword, rest in _dockerfile_instructions():
-        if keyword == "ENV":
-            for item in shlex.split(rest):
-                key, sep, value = item.partition("=")
-                assert sep, f"use ENV KEY=VALUE, got {item!r}"
-                env[key] = value
-    return env
-
-
-def _dockerfile_cmd() -> list[str]:
-    cmds = [rest for keyword, rest in _dockerfile_instructions() if keyword == "CMD"]
-    assert len(cmds) == 1, "exactly one CMD"
-    cmd = json.loads(cmds[0])  # exec form, so signals reach tandem
-    assert isinstance(cmd, list) and all(isinstance(a, str) for a in cmd)
-    return cmd
-
-
-def _dockerfile_health_probe() -> tuple[str, str]:
-    """(python -c source, address) of the Dockerfile's HEALTHCHECK."""
-    checks = [rest for keyword, rest in _dockerfile_instructions() if keyword == "HEALTHCHECK"]
-    assert len(checks) == 1, "exactly one HEALTHCHECK"
-    _, _, exec_form = checks[0].partition("CMD ")
-    cmd = json.loads(exec_form)
-    assert cmd[:2] == ["python", "-c"] and len(cmd) == 4, cmd
-    return cmd[2], cmd[3]
+@pytest.fixture(scope="module")
+def stages() -> dict[str, Stage]:
+    return dockerfile_stages()
 
 
 # ---- resolving a tandem service's settings ---------------------------------------------------
-
-
-def _subcommands() -> set[str]:
-    parser = build_parser()
-    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    return set(sub.choices)
-
-
-@contextmanager
-def _service_env(env: dict[str, Any]) -> Iterator[None]:
-    """os.environ as the container sees it (for TANDEM_* / OTEL_* defaults)."""
-    with mock.patch.dict(os.environ):
-        for key in [k for k in os.environ if k.startswith(("TANDEM_", "OTEL_"))]:
-            del os.environ[key]
-        os.environ.update({k: str(v) for k, v in env.items()})
-        yield
-
-
-def _parse_command(command: list[str], env: dict[str, Any]) -> argparse.Namespace:
-    """Parse a container command with the real CLI, defaults read from ``env``."""
-    assert command[0] == "tandem", f"command must run the tandem CLI: {command}"
-    assert command[1] in _subcommands(), f"unknown subcommand {command[1]!r}"
-    with _service_env(env):
-        try:
-            return build_parser().parse_args(command[1:])
-        except SystemExit as exc:  # argparse rejects an unknown flag or bad value
-            raise AssertionError(f"tandem rejects {command}: exit {exc.code}") from exc
 
 
 def _env(service: dict[str, Any]) -> dict[str, str]:
@@ -163,7 +98,7 @@ def _env(service: dict[str, Any]) -> dict[str, str]:
 def _args(service: dict[str, Any]) -> argparse.Namespace:
     command = service["command"]
     assert isinstance(command, list), "use the exec (list) form for command"
-    return _parse_command(command, _env(service))
+    return parse_command(command, _env(service))
 
 
 def _grpc_port(service: dict[str, Any]) -> int:
@@ -188,12 +123,6 @@ def _frontend_engines(service: dict[str, Any]) -> list[str]:
     return engines
 
 
-def _split_addr(addr: str) -> tuple[str, int]:
-    host, sep, port = addr.rpartition(":")
-    assert sep and host and port.isdigit(), f"not HOST:PORT: {addr!r}"
-    return host, int(port)
-
-
 def _exposed_ports(service: dict[str, Any]) -> set[int]:
     ports = {int(str(p).split("/")[0]) for p in service.get("expose", [])}
     for p in service.get("ports", []):
@@ -214,18 +143,48 @@ def _published(service: dict[str, Any]) -> dict[int, int]:
 # ---- compose: topology ----------------------------------------------------------------------
 
 
-def test_services_are_the_stack(services: dict[str, dict[str, Any]]) -> None:
+def test_services_are_the_stack(services: dict[str, dict[str, Any]], stages: dict[str, Stage]) -> None:
     assert set(services) == {*TANDEM_SERVICES, COLLECTOR, JAEGER, PROMETHEUS}
-    images = {services[name]["image"] for name in TANDEM_SERVICES}
-    assert len(images) == 1, f"frontend and engines must share one image: {images}"
-    for name in TANDEM_SERVICES:
+    images: dict[str, set[str]] = {}
+    for name, target in TARGETS.items():
         build = services[name]["build"]
-        context = build if isinstance(build, str) else build.get("context", ".")
-        dockerfile = "Dockerfile" if isinstance(build, str) else build.get("dockerfile", "Dockerfile")
-        assert (ROOT / context / dockerfile).resolve() == DOCKERFILE
+        assert (ROOT / build.get("context", ".") / build.get("dockerfile", "Dockerfile")).resolve() == DOCKERFILE
+        assert build["target"] == target, f"{name} builds target {build.get('target')!r}"
+        assert target in stages, f"{name}: the Dockerfile has no stage {target!r}"
+        images.setdefault(target, set()).add(services[name]["image"])
+    # One image per target: the engines share theirs, the frontend's is another.
+    assert all(len(names) == 1 for names in images.values()), images
+    assert images["frontend"] != images["engine"]
     assert services[COLLECTOR]["image"].startswith("otel/opentelemetry-collector-contrib:")
     assert services[JAEGER]["image"].startswith("jaegertracing/")
     assert services[PROMETHEUS]["image"].startswith("prom/prometheus:")
+
+
+def test_each_service_runs_its_targets_subcommand(
+    services: dict[str, dict[str, Any]], stages: dict[str, Stage]
+) -> None:
+    for name, target in TARGETS.items():
+        assert _args(services[name]).command == target, name
+        (cmd,) = stages[target].args("CMD")
+        assert exec_form(cmd)[:2] == ["tandem", target], f"target {target} runs {cmd}"
+
+
+def test_stop_grace_period_outlasts_the_drain(services: dict[str, dict[str, Any]]) -> None:
+    """docker stop sends SIGTERM (the drain starts), then SIGKILL after stop_grace_period."""
+    for name in TANDEM_SERVICES:
+        grace = str(services[name]["stop_grace_period"])
+        assert grace.endswith("s") and grace[:-1].isdigit(), f"{name}: give seconds, got {grace!r}"
+        drain = float(_env(services[name]).get("TANDEM_DRAIN_TIMEOUT", DEFAULT_DRAIN_TIMEOUT))
+        assert int(grace[:-1]) > drain, f"{name}: stop_grace_period {grace} <= drain timeout {drain}s"
+
+
+def test_tandem_environment_feeds_real_flags(services: dict[str, dict[str, Any]]) -> None:
+    problems = [
+        f"{name}: {problem}"
+        for name in TANDEM_SERVICES
+        for problem in env_flag_problems(services[name]["command"], _env(services[name]))
+    ]
+    assert not problems, "\n".join(problems)
 
 
 def test_images_are_pinned(services: dict[str, dict[str, Any]]) -> None:
@@ -257,7 +216,7 @@ def test_frontend_engine_addresses_name_engines(services: dict[str, dict[str, An
     assert len(addresses) == len(set(addresses)) == len(ENGINES), addresses
     seen = set()
     for addr in addresses:
-        host, port = _split_addr(addr)
+        host, port = split_addr(addr)
         assert host in services, f"{addr}: no service {host!r}"
         assert _args(services[host]).command == "engine", f"{addr}: {host} is not an engine"
         assert port == _grpc_port(services[host]), f"{addr}: {host} listens on {_grpc_port(services[host])}"
@@ -266,21 +225,47 @@ def test_frontend_engine_addresses_name_engines(services: dict[str, dict[str, An
     assert seen == set(ENGINES)
 
 
-def test_one_model_for_all(services: dict[str, dict[str, Any]]) -> None:
+def test_one_model_for_all(services: dict[str, dict[str, Any]], stages: dict[str, Stage]) -> None:
     """Engines and frontend load the same checkpoint (same tokenizer fingerprint)."""
     models = {_args(services[name]).model for name in TANDEM_SERVICES}
     assert len(models) == 1 and "" not in models, f"one explicit model for all: {models}"
     (model,) = models
-    assert model == _dockerfile_env()["TANDEM_MODEL"]
-    made = [
-        shlex.split(rest) for keyword, rest in _dockerfile_instructions()
-        if keyword == "RUN" and "make-model" in rest
-    ]
-    assert made, "the image makes the demo model at build time"
+    for target in set(TARGETS.values()):
+        assert chain_env(stages, target)["TANDEM_MODEL"] == model, target
+    made = [shlex.split(rest) for rest in stages["engine"].args("RUN") if "make-model" in rest]
+    assert made, "the engine image makes the demo model at build time"
     argv = made[0][made[0].index("make-model") - 1:]
     assert argv[0] == "tandem"
-    args = _parse_command(argv, {})
+    args = parse_command(argv, {})
     assert args.out == model and args.preset == "demo"
+
+
+def _tokenizer_copy(stages: dict[str, Stage]) -> tuple[list[str], str, str]:
+    """(file globs the frontend's model files are copied with, their staging dir, the
+    frontend's COPY destination)."""
+    (copy,) = [c for c in stages["frontend"].args("COPY") if c.startswith("--from=")]
+    words = shlex.split(copy)
+    source_stage = words[0].removeprefix("--from=")
+    assert source_stage in stages and list(stages).index(source_stage) < list(stages).index("frontend")
+    src, dst = words[-2], words[-1]
+    (run,) = stages[source_stage].args("RUN")
+    (cp,) = [part.split() for part in run.split("&&") if part.split()[0] == "cp"]
+    assert cp[-1].rstrip("/") == src.rstrip("/"), f"{source_stage} copies into {cp[-1]}, COPY reads {src}"
+    return cp[1:-1], src, dst
+
+
+def test_frontend_image_gets_the_model_files_but_the_weights(
+    stages: dict[str, Stage], tiny_llama_dir: str
+) -> None:
+    """The frontend image carries the demo checkpoint's tokenizer and config (the same
+    fingerprint as the engines), not its weights; checked on a checkpoint make-model wrote."""
+    globs, _, dst = _tokenizer_copy(stages)
+    model = chain_env(stages, "engine")["TANDEM_MODEL"]
+    assert dst.rstrip("/") == model and all(g.startswith(model + "/") for g in globs), (globs, dst)
+    patterns = [g.removeprefix(model + "/") for g in globs]
+    files = {f.name for f in Path(tiny_llama_dir).iterdir()}
+    copied = {f for f in files if any(fnmatch.fnmatch(f, pat) for pat in patterns)}
+    assert copied == {f for f in files if not f.endswith(".safetensors")}, sorted(files - copied)
 
 
 def test_frontend_waits_for_healthy_engines(services: dict[str, dict[str, Any]]) -> None:
@@ -297,15 +282,18 @@ def test_frontend_waits_for_healthy_engines(services: dict[str, dict[str, Any]])
 
 
 def test_healthchecks_probe_each_service_port(
-    compose: dict[str, Any], services: dict[str, dict[str, Any]]
+    compose: dict[str, Any], services: dict[str, dict[str, Any]], stages: dict[str, Stage]
 ) -> None:
-    probe, dockerfile_addr = _dockerfile_health_probe()
-    assert compose["x-grpc-health-probe"] == probe, "compose and Dockerfile probes differ"
-    assert _split_addr(dockerfile_addr)[1] == int(_parse_command(_dockerfile_cmd(), {}).port)
+    probe = compose["x-grpc-health-probe"]
+    for target in set(TARGETS.values()):
+        target_probe, addr = health_probe(stages[target])
+        assert target_probe == probe, f"compose and the {target} image's probes differ"
+        (cmd,) = stages[target].args("CMD")
+        assert split_addr(addr)[1] == int(parse_command(exec_form(cmd), {}).port), target
     for name in TANDEM_SERVICES:
         test = services[name]["healthcheck"]["test"]
         assert test[:4] == ["CMD", "python", "-c", probe], name
-        host, port = _split_addr(test[4])
+        host, port = split_addr(test[4])
         assert host in {"127.0.0.1", "localhost"}, name
         assert port == _grpc_port(services[name]), f"{name}: probes {port}"
 
@@ -314,9 +302,9 @@ def _run_probe(probe: str, addr: str) -> int:
     return subprocess.run([sys.executable, "-c", probe, addr], timeout=30, capture_output=True).returncode
 
 
-def test_health_probe_reports_serving_only() -> None:
+def test_health_probe_reports_serving_only(stages: dict[str, Stage]) -> None:
     """The probe, run for real against a grpc.health.v1 server: 0 only when SERVING."""
-    probe, _ = _dockerfile_health_probe()
+    probe, _ = health_probe(stages["engine"])
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
     servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
@@ -346,7 +334,7 @@ def test_only_public_ports_are_published(services: dict[str, dict[str, Any]]) ->
 
 def _collector_grpc_port(collector: dict[str, Any]) -> int:
     endpoint = collector["receivers"]["otlp"]["protocols"]["grpc"].get("endpoint", "0.0.0.0:4317")
-    return _split_addr(endpoint)[1]
+    return split_addr(endpoint)[1]
 
 
 def test_services_export_traces_to_the_collector(
@@ -397,7 +385,7 @@ def test_collector_exports_to_jaeger(
     for name in otlp_exporters:
         conf = collector["exporters"][name]
         endpoint = conf["endpoint"]
-        host, port = _split_addr(endpoint.split("://")[-1])
+        host, port = split_addr(endpoint.split("://")[-1])
         assert host == JAEGER and port == 4317, f"{name} -> {endpoint}"
         assert port in _exposed_ports(services[JAEGER])
         assert conf.get("tls", {}).get("insecure") is True, "Jaeger's OTLP port is plaintext"
@@ -429,7 +417,7 @@ def test_prometheus_scrapes_every_tandem_service(
         assert job.get("scheme", "http") == "http", job["job_name"]
         for static in job["static_configs"]:
             for target in static["targets"]:
-                host, port = _split_addr(target)
+                host, port = split_addr(target)
                 assert host in TANDEM_SERVICES, f"{target}: not a tandem service"
                 assert port == _metrics_port(services[host]), f"{target}: metrics are on {_metrics_port(services[host])}"
                 assert port in _exposed_ports(services[host]), f"{target}: {host} does not expose {port}"
@@ -442,31 +430,52 @@ def test_prometheus_scrapes_every_tandem_service(
 # ---- Dockerfile -----------------------------------------------------------------------------
 
 
-def test_dockerfile_installs_cpu_torch_before_the_project() -> None:
-    instructions = _dockerfile_instructions()
-    assert instructions[0] == ("FROM", "python:3.11-slim")
-    runs = [rest for keyword, rest in instructions if keyword == "RUN"]
-    torch_at = [i for i, r in enumerate(runs) if TORCH_PIN in r.split()]
-    project_at = [i for i, r in enumerate(runs) if "pip install ." in r]
-    assert torch_at and project_at, "RUN pip install torch==2.13.0 ... and RUN pip install ."
+def _installs(stage: Stage) -> list[list[str]]:
+    """The `pip install` commands of a stage's RUN lines, as argv lists."""
+    out = []
+    for run in stage.args("RUN"):
+        for part in run.split("&&"):
+            words = shlex.split(part)
+            if words[:2] == ["pip", "install"]:
+                out.append(words)
+    return out
+
+
+def test_engine_image_installs_cpu_torch_before_the_project(stages: dict[str, Stage]) -> None:
+    installs = [i for stage in reversed(stage_chain(stages, "engine")) for i in _installs(stage)]
+    torch_at = [n for n, argv in enumerate(installs) if TORCH_PIN in argv]
+    project_at = [n for n, argv in enumerate(installs) if ".[engine]" in argv]
+    assert torch_at and project_at, "pip install torch==2.13.0 ... and pip install .[engine]"
     assert torch_at[0] < project_at[0], "torch must be installed before the project"
-    torch_cmd = shlex.split(runs[torch_at[0]])
+    torch_cmd = installs[torch_at[0]]
     assert torch_cmd[torch_cmd.index("--index-url") + 1] == TORCH_CPU_INDEX
-    assert not any("pip install -e" in r or "--editable" in r for r in runs)
+    assert not any("-e" in argv or "--editable" in argv for argv in installs)
 
 
-def test_dockerfile_copies_what_exists_and_runs_unprivileged() -> None:
-    instructions = _dockerfile_instructions()
-    for keyword, rest in instructions:
-        if keyword == "COPY" and not rest.startswith("--from"):
+def test_frontend_image_installs_no_torch(stages: dict[str, Stage]) -> None:
+    chain = stage_chain(stages, "frontend")
+    installs = [argv for stage in chain for argv in _installs(stage)]
+    assert installs == [["pip", "install", "."]], f"the base install only: {installs}"
+    assert "engine" not in {s.name for s in chain}, "the frontend must not be built FROM the engine"
+    for stage in chain:
+        for run in stage.args("RUN"):
+            assert "torch==" not in run and "apt-get install" not in run, run
+    assert any("find_spec('torch') is None" in run for run in stages["frontend"].args("RUN"))
+
+
+def test_dockerfile_copies_what_exists_and_runs_unprivileged(stages: dict[str, Stage]) -> None:
+    for stage in stages.values():
+        for rest in stage.args("COPY"):
+            if rest.startswith("--from"):
+                continue
             for src in shlex.split(rest)[:-1]:
                 assert (ROOT / src).exists(), f"COPY {src}: missing"
                 assert not _dockerignored(src), f"COPY {src}: excluded by .dockerignore"
-    users = [rest for keyword, rest in instructions if keyword == "USER"]
-    assert users and users[-1] not in {"root", "0"}, "run as a non-root user"
-    cmd_at = max(i for i, (k, _) in enumerate(instructions) if k == "CMD")
-    user_at = max(i for i, (k, _) in enumerate(instructions) if k == "USER")
-    assert user_at < cmd_at
+    for target in set(TARGETS.values()):
+        keywords = [k for stage in reversed(stage_chain(stages, target)) for k, _ in stage.instructions]
+        users = [r for stage in reversed(stage_chain(stages, target)) for r in stage.args("USER")]
+        assert users and users[-1] not in {"root", "0"}, f"{target}: run as a non-root user"
+        assert max(i for i, k in enumerate(keywords) if k == "USER") < keywords.index("CMD"), target
 
 
 def _dockerignored(src: str) -> bool:
@@ -482,11 +491,13 @@ def test_dockerignore_keeps_local_state_out() -> None:
     assert {".git", ".venv", "node_modules"} <= ignored
 
 
-def test_dockerfile_cmd_is_a_tandem_command() -> None:
-    cmd = _dockerfile_cmd()
-    assert cmd[0] == "tandem" and cmd[1] in _subcommands(), cmd
-    args = _parse_command(cmd, {})
-    assert args.host == "0.0.0.0", "the image's service must be reachable from outside"
+def test_image_cmds_are_tandem_commands(stages: dict[str, Stage]) -> None:
+    for target in set(TARGETS.values()):
+        (cmd,) = stages[target].args("CMD")
+        argv = exec_form(cmd)
+        assert argv[0] == "tandem" and argv[1] in subparsers(), argv
+        args = parse_command(argv, chain_env(stages, target))
+        assert args.host == "0.0.0.0", f"{target}: the service must be reachable from outside"
 
 
 # ---- docker-compose itself ------------------------------------------------------------------
