@@ -33,7 +33,7 @@ class EngineConfig:
     """Settings of one EngineCore. Every field is also a CLI flag (``--field-name``)."""
 
     model: str = field(
-        default="", metadata={"help": "Path to a local Hugging Face checkpoint directory."}
+        default="", metadata={"help": "Local Hugging Face checkpoint directory; default: the demo model."}
     )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = field(
         default="auto",
@@ -66,7 +66,8 @@ class EngineConfig:
         metadata={"help": "KV-cache budget in bytes; default 2 GiB on CPU, see gpu_memory_utilization on CUDA."},
     )
     num_gpu_blocks_override: int | None = field(
-        default=None, metadata={"help": "Use exactly this many KV blocks (testing, benchmarks)."}
+        default=None,
+        metadata={"help": "Use exactly this many KV blocks (testing, benchmarks); default: from the memory budget."},
     )
     gpu_memory_utilization: float = field(
         default=0.9,
@@ -194,7 +195,7 @@ class EngineConfig:
             flag = "--" + f.name.replace("_", "-")
             env_default = os.environ.get("TANDEM_" + f.name.upper())
             default: Any = f.default
-            help_text = f.metadata.get("help", "")
+            help_text = f"{f.metadata.get('help', '')} (env TANDEM_{f.name.upper()})"
             if f.type in ("bool", bool):
                 parser.add_argument(
                     flag,
