@@ -4,27 +4,37 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tandem-installed
+TORCH := torch==2.13.0
+# PyTorch's CPU-only wheels (~200 MB instead of the CUDA build's ~3 GB of libraries).
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: setup serve test lint bench clean
 
 setup: $(STAMP)
 
+# torch from PyTorch's CPU index first; where that index is unreachable (e.g. behind a
+# PyPI-only mirror) pip fails within seconds and torch comes from the default index.
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --timeout 10 --retries 0 --index-url $(TORCH_CPU_INDEX) $(TORCH) \
+		|| { echo "note: $(TORCH_CPU_INDEX) unreachable; installing $(TORCH) from the default index"; \
+		     $(PY) -m pip install -q $(TORCH); }
+	$(PY) -m pip install -q -e '.[engine,dev]'
 	touch $(STAMP)
 
-node_modules/.package-lock.json: package.json
-	npm install --no-audit --no-fund --loglevel=error
+# --no-save: install what package-lock.json pins without rewriting it (a tracked file).
+# Not `npm ci`: npm 11 rejects this lock's per-platform optional packages of @bufbuild/buf.
+node_modules/.package-lock.json: package.json package-lock.json
+	npm install --no-save --no-audit --no-fund --loglevel=error
 
 serve: setup
 	$(VENV)/bin/tandem serve
 
+# Installs no system packages: tests that need a missing tool skip and say which.
 test: setup $(if $(wildcard package.json),node_modules/.package-lock.json)
-	@command -v docker-compose >/dev/null || apt-get install -y -q docker-compose >/dev/null 2>&1 \
-		|| echo "note: docker-compose is not installable here; its static compose check is skipped"
+	@command -v docker-compose >/dev/null || echo "note: docker-compose not found;" \
+		"tests/test_deploy.py skips its 'docker-compose config' check (install docker-compose to run it)"
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 

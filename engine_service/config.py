@@ -11,19 +11,17 @@ import argparse
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from kernels.onednn_linear import onednn_linear_available
+# torch is imported where a setting is resolved, not here: the CLI builds its parser
+# from these fields without loading torch (``tandem --help``, client commands).
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
 
-_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+_DTYPES = ("float32", "float16", "bfloat16")
 
 
 class ConfigError(ValueError):
@@ -35,7 +33,7 @@ class EngineConfig:
     """Settings of one EngineCore. Every field is also a CLI flag (``--field-name``)."""
 
     model: str = field(
-        default="", metadata={"help": "Path to a local Hugging Face checkpoint directory."}
+        default="", metadata={"help": "Local Hugging Face checkpoint directory; default: the demo model."}
     )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = field(
         default="auto",
@@ -68,7 +66,8 @@ class EngineConfig:
         metadata={"help": "KV-cache budget in bytes; default 2 GiB on CPU, see gpu_memory_utilization on CUDA."},
     )
     num_gpu_blocks_override: int | None = field(
-        default=None, metadata={"help": "Use exactly this many KV blocks (testing, benchmarks)."}
+        default=None,
+        metadata={"help": "Use exactly this many KV blocks (testing, benchmarks); default: from the memory budget."},
     )
     gpu_memory_utilization: float = field(
         default=0.9,
@@ -94,7 +93,8 @@ class EngineConfig:
         default="auto",
         metadata={
             "help": "Linear layers: onednn (CPU, weights reordered once at load), torch "
-            "(F.linear), auto: onednn on CPU for float32/bfloat16 when torch has it."
+            "(F.linear), auto: onednn on CPU for float32, and for bfloat16 where the CPU has "
+            "the ISA for it, else torch."
         },
     )
     num_threads: int | None = field(
@@ -138,15 +138,19 @@ class EngineConfig:
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
-        return _DTYPES[self.dtype]
+        return getattr(torch, self.dtype)
 
     @property
     def resolved_attention_backend(self) -> Literal["torch", "cpu", "triton"]:
@@ -167,13 +171,18 @@ class EngineConfig:
 
     @property
     def resolved_linear_backend(self) -> Literal["torch", "onednn"]:
+        """auto: oneDNN where this CPU runs it in this dtype (bfloat16 needs AVX-512 BW/VL/DQ
+        or AVX-NE-CONVERT), else F.linear, so every dtype runs on any x86-64 CPU."""
+        from kernels.onednn_linear import onednn_linear_available
+
         available = onednn_linear_available(self.torch_device, self.torch_dtype)
         if self.linear_backend == "auto":
             return "onednn" if available else "torch"
         if self.linear_backend == "onednn" and not available:
             raise ConfigError(
-                f"linear_backend=onednn needs a CPU device, float32 or bfloat16 and a torch "
-                f"built with oneDNN; got {self.torch_device}, {self.torch_dtype}"
+                f"linear_backend=onednn needs a CPU device, float32 or bfloat16 (bfloat16 only "
+                f"on a CPU with AVX-512 BW/VL/DQ or AVX-NE-CONVERT) and a torch built with "
+                f"oneDNN; got {self.torch_device}, {self.torch_dtype}"
             )
         return self.linear_backend
 
@@ -186,7 +195,7 @@ class EngineConfig:
             flag = "--" + f.name.replace("_", "-")
             env_default = os.environ.get("TANDEM_" + f.name.upper())
             default: Any = f.default
-            help_text = f.metadata.get("help", "")
+            help_text = f"{f.metadata.get('help', '')} (env TANDEM_{f.name.upper()})"
             if f.type in ("bool", bool):
                 parser.add_argument(
                     flag,

@@ -323,24 +323,26 @@ def add_cli(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "make-model",
         help="Write a random-weight checkpoint and tokenizer (for tests, demos, benchmarks).",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Write a random-weight Hugging Face checkpoint with a locally trained "
+        "tokenizer. The same arguments always give the same bytes.",
     )
-    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="llama")
-    parser.add_argument("--preset", choices=list(PRESETS), default="tiny")
+    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="llama",
+                        help="Model architecture.")
+    parser.add_argument("--preset", choices=list(PRESETS), default="tiny",
+                        help="Model size preset.")
     parser.add_argument("--out", required=True, help="Output directory (created if missing).")
     parser.add_argument("--seed", type=int, default=0, help="Weight seed; same seed, same bytes.")
     parser.add_argument(
-        "--weight-std", type=float, default=None, help="Std of weight matrices (preset default)."
+        "--weight-std", type=float, default=None, help="Std of weight matrices; default: the preset's."
     )
     parser.add_argument(
         "--tie-word-embeddings",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="Override the preset's embedding tying.",
+        help="Tie the LM head to the embeddings; default: as the preset does.",
     )
     parser.add_argument(
-        "--max-shard-size", default=None, help="Split weights into shards of this size (e.g. 50MB)."
+        "--max-shard-size", default=None, help="Split weights into shards of this size (e.g. 50MB); default: one file."
     )
     parser.set_defaults(func=run_make_model)
     return parser

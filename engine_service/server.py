@@ -458,10 +458,14 @@ async def _serve_engine(
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("engine", help="Run one engine service (gRPC).")
-    p.add_argument("--host", default=os.environ.get("TANDEM_ENGINE_HOST", "0.0.0.0"))
-    p.add_argument("--port", type=int, default=int(os.environ.get("TANDEM_ENGINE_PORT", "50061")))
-    p.add_argument("--engine-index", type=int, default=int(os.environ.get("TANDEM_ENGINE_INDEX", "0")))
+    p = sub.add_parser("engine", help="Run one engine service (gRPC).",
+                       description="Run one engine (scheduler, KV cache, model) as a gRPC service.")
+    p.add_argument("--host", default=os.environ.get("TANDEM_ENGINE_HOST", "0.0.0.0"),
+                   help="Listen address (env TANDEM_ENGINE_HOST).")
+    p.add_argument("--port", type=int, default=int(os.environ.get("TANDEM_ENGINE_PORT", "50061")),
+                   help="gRPC port (env TANDEM_ENGINE_PORT).")
+    p.add_argument("--engine-index", type=int, default=int(os.environ.get("TANDEM_ENGINE_INDEX", "0")),
+                   help="This engine's index among a frontend's engines (env TANDEM_ENGINE_INDEX).")
     telemetry.add_metrics_cli(p, default_port=8001)
     p.add_argument(
         "--log-stats-interval", type=float,

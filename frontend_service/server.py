@@ -293,14 +293,22 @@ def model_eos_token_ids(model_dir: str) -> list[int]:
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
     env = os.environ.get
-    p = sub.add_parser("frontend", help="Run the frontend service (gRPC).")
+    p = sub.add_parser("frontend", help="Run the frontend service (gRPC).",
+                       description="Run the frontend (tokenization, request handling) as a gRPC "
+                       "service in front of one or more engines.")
     p.add_argument("--engine", dest="engines", action="append", default=None,
-                   help="Engine address HOST:PORT; repeat for several (env TANDEM_ENGINES, comma-separated).")
-    p.add_argument("--model", default=env("TANDEM_MODEL", ""), help="Checkpoint dir for the tokenizer; default: demo model.")
-    p.add_argument("--host", default=env("TANDEM_FRONTEND_HOST", "0.0.0.0"))
-    p.add_argument("--port", type=int, default=int(env("TANDEM_FRONTEND_PORT", "50051")))
-    p.add_argument("--client-index", type=int, default=int(env("TANDEM_CLIENT_INDEX", "0")))
-    p.add_argument("--connect-timeout", type=float, default=float(env("TANDEM_CONNECT_TIMEOUT", "60")))
+                   help="Engine address HOST:PORT; repeat for several (env TANDEM_ENGINES, "
+                   "comma-separated); default: none, at least one is required.")
+    p.add_argument("--model", default=env("TANDEM_MODEL", ""),
+                   help="Local checkpoint directory for the tokenizer (env TANDEM_MODEL); default: the demo model.")
+    p.add_argument("--host", default=env("TANDEM_FRONTEND_HOST", "0.0.0.0"),
+                   help="Listen address (env TANDEM_FRONTEND_HOST).")
+    p.add_argument("--port", type=int, default=int(env("TANDEM_FRONTEND_PORT", "50051")),
+                   help="gRPC port (env TANDEM_FRONTEND_PORT).")
+    p.add_argument("--client-index", type=int, default=int(env("TANDEM_CLIENT_INDEX", "0")),
+                   help="This frontend's index, told to engines (env TANDEM_CLIENT_INDEX).")
+    p.add_argument("--connect-timeout", type=float, default=float(env("TANDEM_CONNECT_TIMEOUT", "60")),
+                   help="Seconds to wait for every engine at start-up (env TANDEM_CONNECT_TIMEOUT).")
     telemetry.add_metrics_cli(p, default_port=8000)
     p.set_defaults(handler=run_cli)
 

@@ -8,6 +8,10 @@ the packed weight is an opaque ``mkldnn`` tensor that only ``packed_linear`` rea
 
 The first call with a new number of rows builds a oneDNN primitive (~0.5 ms); oneDNN
 keeps it in its primitive cache afterwards.
+
+oneDNN's bf16 path needs the ISA for it (AVX-512 BW/VL/DQ or AVX-NE-CONVERT on x86):
+``cpu_supports`` asks torch the same question ``mkldnn_reorder_linear_weight`` asks
+before it refuses, so callers fall back to ``F.linear`` instead of failing there.
 """
 
 from __future__ import annotations
@@ -15,6 +19,17 @@ from __future__ import annotations
 import torch
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def cpu_supports(dtype: torch.dtype) -> bool:
+    """Whether this CPU runs oneDNN's linear in ``dtype`` (float32 everywhere; bfloat16
+    only with the ISA torch's own check asks for)."""
+    if dtype == torch.float32:
+        return True
+    if dtype == torch.bfloat16:
+        probe = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+        return probe is not None and bool(probe())
+    return False
 
 
 def onednn_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -25,6 +40,7 @@ def onednn_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and cpu_supports(dtype)
     )
 
 

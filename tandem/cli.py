@@ -1,91 +1,96 @@
-"""The ``tandem`` command: one entry point, one subcommand per job."""
+"""The tandem command: one entry point, one subcommand per job.
+
+Subcommands are registered lazily: only the one being run imports its module, so
+``tandem --help``, ``tandem --version`` and client commands start without torch.
+Known failures (a bad flag value, a missing checkpoint, a busy port, an engine that
+would not start) print one line, ``tandem: error: ...``, and no traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.metadata
 import importlib.util
 import logging
+import os
 import sys
-import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal, NoReturn
+
+from engine_service.config import ConfigError
+from tandem.errors import CLIError, UsageError
+from tandem.protocol.model_config import ModelLoadError, check_checkpoint_dir
 
 Handler = Callable[[argparse.Namespace], int]
 
-
-def _add_make_model(sub: argparse._SubParsersAction) -> None:
-    from engine_service import make_model
-
-    make_model.add_cli(sub)
-
-
-def _add_run(sub: argparse._SubParsersAction) -> None:
-    from engine_service.config import EngineConfig
-
-    p = sub.add_parser("run", help="Offline generation in-process (no services).")
-    p.add_argument("prompts", nargs="*", help="Prompts; default: a few demo prompts.")
-    p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--temperature", type=float, default=0.0)
-    EngineConfig.add_cli_args(p)
-    p.set_defaults(handler=_run_offline)
+DESCRIPTION = (
+    "Tandem: vLLM's v1 engine as two gRPC services, a frontend (text, clients) and engines "
+    "(scheduling, KV cache, model). Run 'tandem COMMAND --help' for a command's flags."
+)
 
 
-def _run_offline(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
+@dataclass(frozen=True)
+class Subcommand:
+    """A subcommand; ``module.add_cli(subparsers)`` registers its full parser."""
 
-    from engine_service.config import EngineConfig
-    from engine_service.core import EngineCore
-    from engine_service.make_model import demo_model_dir
-    from tandem.protocol.outputs import EngineCoreRequest
-    from tandem.protocol.sampling_params import SamplingParams
-
-    if not args.model:
-        args.model = demo_model_dir()
-    config = EngineConfig.from_cli_args(args)
-    tokenizer = AutoTokenizer.from_pretrained(config.model)
-    core = EngineCore(config)
-    prompts = args.prompts or [
-        "The quick brown fox",
-        "def fibonacci(n):",
-        "Tandem serves language models",
-    ]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-    outputs: dict[str, list[int]] = {}
-    for i, prompt in enumerate(prompts):
-        ids = tokenizer.encode(prompt)
-        core.add_request(EngineCoreRequest(str(i), ids, params, eos_token_id=tokenizer.eos_token_id))
-        outputs[str(i)] = []
-    start = time.perf_counter()
-    while core.has_unfinished_requests():
-        for out in core.step().outputs:
-            outputs[out.request_id].extend(out.new_token_ids)
-    elapsed = time.perf_counter() - start
-    for i, prompt in enumerate(prompts):
-        print(f"--- {prompt!r}\n{tokenizer.decode(outputs[str(i)], skip_special_tokens=True)!r}")
-    total = sum(len(v) for v in outputs.values())
-    print(f"{total} tokens in {elapsed:.2f}s ({total / elapsed:.1f} tok/s)")
-    return 0
+    name: str
+    summary: str  # shown by ``tandem --help`` without importing ``module``
+    module: str
+    # What --model must hold: a whole checkpoint, its config and tokenizer only, or no check.
+    checkpoint: Literal["weights", "config"] | None
+    # Runs the model (torch): offered only where the `engine` extra is installed.
+    engine: bool = True
 
 
-def _add_engine(sub: argparse._SubParsersAction) -> None:
-    from engine_service import server as engine_server
-
-    engine_server.add_cli(sub)
-
-
-def _add_services(sub: argparse._SubParsersAction) -> None:
-    from frontend_service import server as frontend_server
-    from tandem import client, serve
-
-    frontend_server.add_cli(sub)
-    serve.add_cli(sub)
-    client.add_cli(sub)
+SUBCOMMANDS: tuple[Subcommand, ...] = (
+    Subcommand("serve", "Start N engine processes and the frontend on localhost.", "tandem.serve", "weights"),
+    Subcommand("generate", "Stream text from a running frontend.", "tandem.client", None, engine=False),
+    Subcommand("engine", "Run one engine service (gRPC).", "engine_service.server", "weights"),
+    Subcommand("frontend", "Run the frontend service (gRPC).", "frontend_service.server", "config", engine=False),
+    Subcommand("run", "Offline generation in-process (no services).", "tandem.offline", "weights"),
+    Subcommand("make-model", "Write a random-weight checkpoint and tokenizer (tests, demos).",
+               "engine_service.make_model", None),
+)
 
 
-Adder = Callable[[argparse._SubParsersAction], None]
-# Subcommands that import the engine (torch): present only with the `engine` extra.
-ENGINE_SUBCOMMANDS: list[Adder] = [_add_make_model, _add_run, _add_engine]
-# Subcommands a frontend-only install (`pip install tandem`, no torch) can run.
-SUBCOMMANDS: list[Adder] = [_add_services]
+class HelpFormatter(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to every option whose help does not already state it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (
+            not action.option_strings
+            or action.default in (None, "", argparse.SUPPRESS)
+            or "%(default)" in text
+            or "default" in text.lower()
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """Uses HelpFormatter unless told otherwise; a usage error is one line (exit 2)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("tandem")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def engine_installed() -> bool:
@@ -93,22 +98,79 @@ def engine_installed() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
-    parser.add_argument("--log-level", default="INFO", help="Python logging level.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    for add in (ENGINE_SUBCOMMANDS if engine_installed() else []) + SUBCOMMANDS:
-        add(sub)
+def available_subcommands() -> tuple[Subcommand, ...]:
+    """All subcommands with the `engine` extra; the frontend's and the client's without."""
+    if engine_installed():
+        return SUBCOMMANDS
+    return tuple(c for c in SUBCOMMANDS if not c.engine)
+
+
+def _selected(argv: Sequence[str]) -> Subcommand | None:
+    """The subcommand ``argv`` names (its first token that is one), if any."""
+    names = {c.name: c for c in available_subcommands()}
+    return next((names[a] for a in argv if a in names), None)
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The ``tandem`` parser. With ``argv``, only the subcommand it names is fully built
+    (the others are listed by name and summary); without, all of them are."""
+    parser = _Parser(prog="tandem", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
+    parser.add_argument("--log-level", default=os.environ.get("TANDEM_LOG_LEVEL", "INFO"),
+                        help="Python logging level: DEBUG, INFO, WARNING, ERROR (env TANDEM_LOG_LEVEL).")
+    parser.add_argument(
+        "--allow-download", action="store_true", default=_env_flag("TANDEM_ALLOW_DOWNLOAD"),
+        help="Let Hugging Face libraries reach the hub (env TANDEM_ALLOW_DOWNLOAD=1). By default "
+        "they run offline (HF_HUB_OFFLINE=1): --model is a local directory and nothing is downloaded.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+    selected = None if argv is None else _selected(argv)
+    for command in available_subcommands():
+        if argv is None or command is selected:
+            importlib.import_module(command.module).add_cli(sub)
+        else:
+            sub.add_parser(command.name, help=command.summary)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _check_model(command: Subcommand | None, args: argparse.Namespace) -> None:
+    model = getattr(args, "model", "")
+    if command is None or command.checkpoint is None or not model:
+        return
+    try:
+        check_checkpoint_dir(model, weights=command.checkpoint == "weights")
+    except ModelLoadError as exc:
+        raise UsageError(f"--model {exc}") from None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--allow-download" not in argv and not _env_flag("TANDEM_ALLOW_DOWNLOAD"):
+        # Before anything imports huggingface_hub, which reads these once.
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    args = build_parser(argv).parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     handler: Handler = getattr(args, "handler", None) or args.func
-    return handler(args)
+    try:
+        _check_model(_selected(argv), args)
+        return handler(args)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except (CLIError, ConfigError, ModelLoadError, OSError) as exc:
+        if logging.getLogger().isEnabledFor(logging.DEBUG):
+            traceback.print_exc()
+        print(f"tandem: error: {_one_line(exc)}", file=sys.stderr)
+        usage = isinstance(exc, UsageError | ConfigError)
+        return exc.exit_code if isinstance(exc, CLIError) else (2 if usage else 1)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
 
 
 if __name__ == "__main__":

@@ -8,19 +8,25 @@ import sys
 
 import grpc
 
+from tandem.argtypes import non_negative_float, positive_int
 from tandem.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="Stream text from a running frontend.")
-    p.add_argument("prompt")
-    p.add_argument("--target", default=None, help="Frontend HOST:PORT (default 127.0.0.1:--port).")
-    p.add_argument("--port", type=int, default=int(os.environ.get("TANDEM_FRONTEND_PORT", "50051")))
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--seed", type=int, default=None)
+    p = sub.add_parser("generate", help="Stream text from a running frontend.",
+                       description="Send one prompt to a running frontend and stream the completion.")
+    p.add_argument("prompt", help="The prompt text (or the user message with --chat).")
+    p.add_argument("--target", default=None,
+                   help="Frontend HOST:PORT; default: 127.0.0.1 and --port.")
+    p.add_argument("--port", type=int, default=int(os.environ.get("TANDEM_FRONTEND_PORT", "50051")),
+                   help="Frontend port on 127.0.0.1 when --target is not given (env TANDEM_FRONTEND_PORT).")
+    p.add_argument("--max-tokens", type=positive_int, default=64, help="Most tokens to generate.")
+    p.add_argument("--temperature", type=non_negative_float, default=0.8,
+                   help="Sampling temperature; 0: greedy.")
+    p.add_argument("--seed", type=int, default=None, help="Sampling seed; default: none (not reproducible).")
     p.add_argument("--chat", action="store_true", help="Send the prompt as one user chat message.")
-    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--timeout", type=non_negative_float, default=300.0,
+                   help="Seconds before the call is given up (its gRPC deadline).")
     p.set_defaults(handler=run_cli)
 
 
@@ -44,10 +50,12 @@ def run_cli(args: argparse.Namespace) -> int:
     target = args.target or f"127.0.0.1:{args.port}"
     with grpc.insecure_channel(target) as channel:
         stub = frontend_pb2_grpc.GenerationStub(channel)
+        mid_line = False  # text written since the last newline
         try:
             for resp in stub.Generate(build_request(args), timeout=args.timeout):
                 for out in resp.outputs:
                     sys.stdout.write(out.text)
+                    mid_line = mid_line or bool(out.text)
                 sys.stdout.flush()
                 if resp.finished:
                     reason = resp.outputs[0].finish_reason if resp.outputs else ""
@@ -55,7 +63,11 @@ def run_cli(args: argparse.Namespace) -> int:
                         f"\n[{reason}; {resp.usage.prompt_tokens} prompt + "
                         f"{resp.usage.completion_tokens} completion tokens]\n"
                     )
+                    mid_line = False
         except grpc.RpcError as exc:
-            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            if mid_line:
+                sys.stdout.write("\n")
+                sys.stdout.flush()
+            print(f"tandem: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
     return 0

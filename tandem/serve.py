@@ -1,34 +1,65 @@
-"""``tandem serve``: the local stack as processes (N engines + one frontend)."""
+"""``tandem serve``: the local stack as processes (N engines + one frontend).
+
+Start-up: every port is checked free first, then the engines start and ``serve`` waits
+until each is SERVING (an engine that exits ends ``serve`` at once with its error), then
+the frontend runs in this process. SIGTERM/SIGINT: the frontend drains, then each engine
+gets SIGTERM and up to its drain timeout plus a margin, then SIGKILL.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import logging
 import os
-import subprocess
+import signal
 import sys
 
-from frontend_service.server import FrontendConfig, serve_frontend
-from tandem import telemetry
+from tandem import ports, telemetry
+from tandem.errors import UsageError
+from tandem.supervisor import EngineProcess, EngineSupervisor, RestartPolicy
 
 logger = logging.getLogger(__name__)
+
+ENGINE_HOST = "127.0.0.1"
+STOP_MARGIN_S = 10.0  # beyond the drain timeout, before an engine is SIGKILLed
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
     env = os.environ.get
-    p = sub.add_parser("serve", help="Start N engine processes and the frontend on localhost.")
-    p.add_argument("--model", default=env("TANDEM_MODEL", ""), help="Checkpoint dir; default: the demo model.")
-    p.add_argument("--engines", type=int, default=int(env("TANDEM_NUM_ENGINES", "1")))
-    p.add_argument("--host", default=env("TANDEM_FRONTEND_HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(env("TANDEM_FRONTEND_PORT", "50051")))
+    p = sub.add_parser(
+        "serve", help="Start N engine processes and the frontend on localhost.",
+        description="Start N engine processes and one frontend on this machine; engines that "
+        "die are restarted, and all of them stop with serve.",
+    )
+    p.add_argument("--model", default=env("TANDEM_MODEL", ""),
+                   help="Local checkpoint directory (env TANDEM_MODEL); default: the demo model.")
+    p.add_argument("--engines", type=int, default=int(env("TANDEM_NUM_ENGINES", "1")),
+                   help="Number of engine processes (env TANDEM_NUM_ENGINES).")
+    p.add_argument("--host", default=env("TANDEM_FRONTEND_HOST", "127.0.0.1"),
+                   help="Frontend listen address (env TANDEM_FRONTEND_HOST).")
+    p.add_argument("--port", type=int, default=int(env("TANDEM_FRONTEND_PORT", "50051")),
+                   help="Frontend gRPC port (env TANDEM_FRONTEND_PORT).")
     p.add_argument("--engine-base-port", type=int, default=int(env("TANDEM_ENGINE_BASE_PORT", "50061")),
-                   help="Engine i listens on this port + i.")
-    p.add_argument("--connect-timeout", type=float, default=120.0)
+                   help="Engine i listens on 127.0.0.1, this port + i (env TANDEM_ENGINE_BASE_PORT).")
+    p.add_argument("--connect-timeout", type=float, default=float(env("TANDEM_CONNECT_TIMEOUT", "120")),
+                   help="Seconds the engines may take to become SERVING (env TANDEM_CONNECT_TIMEOUT).")
+    p.add_argument("--drain-timeout", type=float, default=float(env("TANDEM_DRAIN_TIMEOUT", "30")),
+                   help="Seconds the frontend, then each engine, may take to finish in-flight "
+                   "requests on SIGTERM/SIGINT (env TANDEM_DRAIN_TIMEOUT).")
+    p.add_argument("--restart-backoff", type=float, default=float(env("TANDEM_RESTART_BACKOFF", "1")),
+                   help="Seconds before restarting an engine that died, doubled after each restart "
+                   "(env TANDEM_RESTART_BACKOFF).")
+    p.add_argument("--restart-backoff-max", type=float,
+                   default=float(env("TANDEM_RESTART_BACKOFF_MAX", "30")),
+                   help="Longest wait before restarting an engine (env TANDEM_RESTART_BACKOFF_MAX).")
     telemetry.add_metrics_cli(p, default_port=8000)
     p.add_argument("--engine-metrics-base-port", type=int,
                    default=int(env("TANDEM_ENGINE_METRICS_BASE_PORT", "8001")),
-                   help="Engine i serves /metrics on this port + i (0: off).")
+                   help="Engine i serves /metrics on this port + i; 0: off "
+                   "(env TANDEM_ENGINE_METRICS_BASE_PORT).")
     p.add_argument("engine_args", nargs=argparse.REMAINDER,
                    help="After '--': flags passed to every engine (e.g. -- --max-num-seqs 32).")
     p.set_defaults(handler=run_cli)
@@ -37,7 +68,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
 def engine_command(
     model: str, port: int, index: int, extra: list[str], threads: int, metrics_port: int = 0
 ) -> list[str]:
-    cmd = [sys.executable, "-m", "tandem.cli", "engine", "--model", model, "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "tandem.cli", "engine", "--model", model, "--host", ENGINE_HOST,
            "--port", str(port), "--engine-index", str(index)]
     if "--num-threads" not in extra:
         cmd += ["--num-threads", str(threads)]
@@ -46,9 +77,20 @@ def engine_command(
     return cmd + extra
 
 
+def _check_ports(args: argparse.Namespace) -> None:
+    """Every port this stack will listen on, before anything starts."""
+    ports.ensure_free(args.host, args.port, "frontend")
+    ports.ensure_free(args.host, args.metrics_port, "frontend metrics")
+    for i in range(args.engines):
+        ports.ensure_free(ENGINE_HOST, args.engine_base_port + i, f"engine {i}")
+        if args.engine_metrics_base_port:
+            ports.ensure_free(ENGINE_HOST, args.engine_metrics_base_port + i, f"engine {i} metrics")
+
+
 def run_cli(args: argparse.Namespace) -> int:
     if args.engines < 1:
-        raise SystemExit("--engines must be >= 1")
+        raise UsageError(f"--engines must be >= 1, got {args.engines}")
+    _check_ports(args)
     model = args.model
     if not model:
         from engine_service.make_model import demo_model_dir
@@ -56,28 +98,72 @@ def run_cli(args: argparse.Namespace) -> int:
         model = demo_model_dir()
     extra = [a for a in args.engine_args if a != "--"]
     threads = max(1, (os.cpu_count() or 1) // args.engines)
-    procs = []
-    addresses = []
+    env = {**os.environ, "TANDEM_DRAIN_TIMEOUT": str(args.drain_timeout)}
+    engines = []
     for i in range(args.engines):
         port = args.engine_base_port + i
         metrics_port = args.engine_metrics_base_port + i if args.engine_metrics_base_port else 0
-        procs.append(subprocess.Popen(engine_command(model, port, i, extra, threads, metrics_port)))
-        addresses.append(f"127.0.0.1:{port}")
+        argv = engine_command(model, port, i, extra, threads, metrics_port)
+        engines.append(EngineProcess(i, f"{ENGINE_HOST}:{port}", argv, env))
+    supervisor = EngineSupervisor(engines, RestartPolicy(args.restart_backoff, args.restart_backoff_max))
+    return asyncio.run(_serve(args, model, supervisor))
+
+
+async def _serve(args: argparse.Namespace, model: str, supervisor: EngineSupervisor) -> int:
+    from frontend_service.server import FrontendConfig, serve_frontend
+
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+    assert main is not None  # we run inside asyncio.run
+    signalled: list[int] = []
+    stopping = False
+
+    def on_signal(sig: int) -> None:
+        signalled.append(sig)
+        if stopping:  # a signal while the engines drain: stop waiting for them
+            supervisor.kill()
+        else:
+            main.cancel()
+
+    def own_signals() -> None:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal, sig)
+
+    addresses = [e.address for e in supervisor.engines]
+    fields = {f.name for f in dataclasses.fields(FrontendConfig)}
+    drain = {"drain_timeout": args.drain_timeout} if "drain_timeout" in fields else {}
     config = FrontendConfig(model=model, engines=addresses, host=args.host, port=args.port,
-                            connect_timeout=args.connect_timeout, metrics_port=args.metrics_port)
-    print(f"tandem: frontend on {args.host}:{args.port}, engines on {', '.join(addresses)}", flush=True)
+                            connect_timeout=args.connect_timeout, metrics_port=args.metrics_port, **drain)
     tracing = telemetry.tracing_from_env("tandem-frontend")
+    watch: asyncio.Task[None] | None = None
+    own_signals()
     try:
-        return asyncio.run(serve_frontend(config, tracing=tracing))
-    except KeyboardInterrupt:
-        return 0
+        supervisor.start()
+        await supervisor.wait_serving(args.connect_timeout)
+        watch = asyncio.create_task(supervisor.watch())
+        print(f"tandem: frontend on {args.host}:{args.port}, engines on {', '.join(addresses)}", flush=True)
+        # serve_frontend installs its own SIGINT/SIGTERM handlers (its drain) once it serves.
+        rc = await serve_frontend(config, tracing=tracing)
+    except asyncio.CancelledError:
+        if not signalled:
+            raise
+        logger.info("signal %s during start-up: stopping", signal.Signals(signalled[0]).name)
+        rc = 0
     finally:
+        stopping = True
+        with contextlib.suppress(Exception):
+            own_signals()  # a second signal during the engines' drain kills them
+        if watch is not None:
+            watch.cancel()
         if tracing is not None:
             tracing.shutdown()
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        await _stop_engines(supervisor, args.drain_timeout + STOP_MARGIN_S)
+    return rc
+
+
+async def _stop_engines(supervisor: EngineSupervisor, grace_s: float) -> None:
+    try:
+        await supervisor.stop(grace_s)
+    except BaseException:
+        supervisor.kill()
+        raise

@@ -12,6 +12,29 @@ class ModelLoadError(ValueError):
     """A checkpoint cannot be loaded: a file, field or tensor is missing or wrong."""
 
 
+# Files that make a directory a tokenizer (one of them suffices).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_checkpoint_dir(path: str, weights: bool = True) -> None:
+    """Raise ModelLoadError (one line) unless ``path`` is a local checkpoint directory:
+    ``config.json``, tokenizer files and, with ``weights``, ``*.safetensors``. Checked
+    before anything loads, so a wrong path is named as such rather than as a hub lookup."""
+    if not os.path.exists(path):
+        raise ModelLoadError(
+            f"{path}: no such directory (a local checkpoint directory is expected; nothing is downloaded)"
+        )
+    if not os.path.isdir(path):
+        raise ModelLoadError(f"{path}: not a directory (a local checkpoint directory is expected)")
+    names = set(os.listdir(path))
+    if "config.json" not in names:
+        raise ModelLoadError(f"{path}: holds no checkpoint (no config.json)")
+    if not names.intersection(_TOKENIZER_FILES):
+        raise ModelLoadError(f"{path}: holds no tokenizer (none of {', '.join(_TOKENIZER_FILES)})")
+    if weights and not any(n.endswith(".safetensors") for n in names):
+        raise ModelLoadError(f"{path}: holds no weights (no *.safetensors file)")
+
+
 @dataclass(frozen=True)
 class ArchitectureFeatures:
     """How one supported architecture differs from plain Llama."""
