@@ -11,6 +11,7 @@ import sys
 
 from frontend_service.server import FrontendConfig, serve_frontend
 from tandem import telemetry
+from tandem.security import EngineChannelSecurity, ServerSecurity, TlsFiles
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +30,19 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-metrics-base-port", type=int,
                    default=int(env("TANDEM_ENGINE_METRICS_BASE_PORT", "8001")),
                    help="Engine i serves /metrics on this port + i (0: off).")
+    p.add_argument("--tls-cert", default=env("TANDEM_TLS_CERT", ""),
+                   help="PEM certificate chain: the frontend serves TLS (env TANDEM_TLS_CERT; default: plain text).")
+    p.add_argument("--tls-key", default=env("TANDEM_TLS_KEY", ""),
+                   help="PEM private key of --tls-cert (env TANDEM_TLS_KEY; default: none).")
+    p.add_argument("--admin-token", default=env("TANDEM_ADMIN_TOKEN", ""),
+                   help="Bearer token for admin RPCs on the frontend's and engines' public ports (env "
+                        "TANDEM_ADMIN_TOKEN, preferred; default: none, admin RPCs only on --admin-port).")
+    p.add_argument("--admin-port", type=int, default=int(env("TANDEM_ADMIN_PORT", "-1")),
+                   help="The frontend's 127.0.0.1-only admin listener (env TANDEM_ADMIN_PORT; default: "
+                        "--port + 1; 0: off).")
+    p.add_argument("--engine-token", default=env("TANDEM_ENGINE_TOKEN", ""),
+                   help="Shared secret between the frontend and its engines (env TANDEM_ENGINE_TOKEN; "
+                        "default: none, the engines listen on 127.0.0.1 only).")
     p.add_argument("engine_args", nargs=argparse.REMAINDER,
                    help="After '--': flags passed to every engine (e.g. -- --max-num-seqs 32).")
     p.set_defaults(handler=run_cli)
@@ -46,6 +60,20 @@ def engine_command(
     return cmd + extra
 
 
+def engine_env(args: argparse.Namespace) -> dict[str, str]:
+    """The engines' environment: tokens travel here, not in argv (visible to every user)."""
+    env = dict(os.environ)
+    for name, value in (("TANDEM_ADMIN_TOKEN", args.admin_token), ("TANDEM_ENGINE_TOKEN", args.engine_token)):
+        if value:
+            env[name] = value
+        else:
+            env.pop(name, None)
+    # The frontend's settings: engines run plain text on 127.0.0.1, without an admin port.
+    for name in ("TANDEM_ADMIN_PORT", "TANDEM_TLS_CERT", "TANDEM_TLS_KEY", "TANDEM_TLS_CA"):
+        env.pop(name, None)
+    return env
+
+
 def run_cli(args: argparse.Namespace) -> int:
     if args.engines < 1:
         raise SystemExit("--engines must be >= 1")
@@ -61,11 +89,17 @@ def run_cli(args: argparse.Namespace) -> int:
     for i in range(args.engines):
         port = args.engine_base_port + i
         metrics_port = args.engine_metrics_base_port + i if args.engine_metrics_base_port else 0
-        procs.append(subprocess.Popen(engine_command(model, port, i, extra, threads, metrics_port)))
+        procs.append(subprocess.Popen(engine_command(model, port, i, extra, threads, metrics_port),
+                                      env=engine_env(args)))
         addresses.append(f"127.0.0.1:{port}")
+    admin_port = args.port + 1 if args.admin_port < 0 else args.admin_port
     config = FrontendConfig(model=model, engines=addresses, host=args.host, port=args.port,
-                            connect_timeout=args.connect_timeout, metrics_port=args.metrics_port)
-    print(f"tandem: frontend on {args.host}:{args.port}, engines on {', '.join(addresses)}", flush=True)
+                            connect_timeout=args.connect_timeout, metrics_port=args.metrics_port,
+                            security=ServerSecurity(TlsFiles(args.tls_cert, args.tls_key),
+                                                    admin_token=args.admin_token, admin_port=admin_port),
+                            engine_channel=EngineChannelSecurity(engine_token=args.engine_token))
+    admin = f", admin on 127.0.0.1:{admin_port}" if admin_port else ""
+    print(f"tandem: frontend on {args.host}:{args.port}{admin}, engines on {', '.join(addresses)}", flush=True)
     tracing = telemetry.tracing_from_env("tandem-frontend")
     try:
         return asyncio.run(serve_frontend(config, tracing=tracing))
