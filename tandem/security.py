@@ -217,12 +217,8 @@ def _refusing_handler(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, mes
 # ---- the frontend's side: channels to engines --------------------------------------
 
 
-class _EngineTokenInterceptor(
-    grpc.aio.UnaryUnaryClientInterceptor,
-    grpc.aio.UnaryStreamClientInterceptor,
-    grpc.aio.StreamStreamClientInterceptor,
-):
-    """Adds the engine token to every call's metadata."""
+class _AddsEngineToken:
+    """Adds the engine token to a call's metadata."""
 
     def __init__(self, token: str) -> None:
         self.entry = (ENGINE_TOKEN_HEADER, token)
@@ -233,12 +229,20 @@ class _EngineTokenInterceptor(
             details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
         )
 
+
+# One class per call shape: a grpc.aio channel files each interceptor under the first
+# shape it implements only.
+class _UnaryUnaryToken(_AddsEngineToken, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
         return await continuation(self._with_token(client_call_details), request)
 
+
+class _UnaryStreamToken(_AddsEngineToken, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
         return await continuation(self._with_token(client_call_details), request)
 
+
+class _StreamStreamToken(_AddsEngineToken, grpc.aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
         return await continuation(self._with_token(client_call_details), request_iterator)
 
@@ -251,7 +255,11 @@ class EngineChannelSecurity:
     engine_token: str = ""  # sent as x-tandem-engine-token on every engine call; empty: none
 
     def open_channel(self, address: str, options: Sequence[tuple[str, Any]]) -> grpc.aio.Channel:
-        interceptors = [_EngineTokenInterceptor(self.engine_token)] if self.engine_token else None
+        interceptors = (
+            [kind(self.engine_token) for kind in (_UnaryUnaryToken, _UnaryStreamToken, _StreamStreamToken)]
+            if self.engine_token
+            else None
+        )
         credentials = self.tls.channel_credentials()
         if credentials is None:
             return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
