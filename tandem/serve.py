@@ -11,7 +11,8 @@ import sys
 
 from frontend_service.server import FrontendConfig, serve_frontend
 from tandem import telemetry
-from tandem.security import EngineChannelSecurity, ServerSecurity, TlsFiles
+from tandem.grpc_server import BindError
+from tandem.security import EngineChannelSecurity, SecurityConfigError, ServerSecurity, TlsFiles
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,9 @@ def run_cli(args: argparse.Namespace) -> int:
         return asyncio.run(serve_frontend(config, tracing=tracing))
     except KeyboardInterrupt:
         return 0
+    except (BindError, SecurityConfigError) as exc:
+        logger.error("tandem serve: %s", exc)
+        return 1
     finally:
         if tracing is not None:
             tracing.shutdown()
