@@ -26,7 +26,6 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from engine_service.config import EngineConfig
@@ -36,16 +35,28 @@ from engine_service.cpu import keep_freed_memory_mapped
 from engine_service.metrics import EngineMetrics, StatsLogger
 from engine_service.tracing import RequestSpanEmitter
 from tandem import telemetry
+from tandem.grpc_server import BindError, MessageLimits, ServiceServer
 from tandem.protocol import convert
 from tandem.protocol.fingerprint import tokenizer_fingerprint
 from tandem.protocol.outputs import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from tandem.protocol.sampling_params import InvalidRequestError, SamplingParams
+from tandem.security import (
+    SecurityConfigError,
+    ServerSecurity,
+    add_server_security_cli,
+    server_security_from_args,
+)
 from tandem.telemetry import Tracing
 from tandem.v1 import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineCore"].full_name
+# Requests carry token ids and outputs carry logprobs: far below this at any max_model_len.
+MESSAGE_LIMITS = MessageLimits(max_receive_bytes=64 * 1024 * 1024, max_send_bytes=64 * 1024 * 1024)
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
 @dataclass
 class EngineServerConfig:
     """Network settings of the engine service (engine settings live in EngineConfig)."""
@@ -56,6 +67,7 @@ class EngineServerConfig:
     grace_seconds: float = 2.0  # time streams get to close on shutdown
     metrics_port: int = 0  # Prometheus /metrics on host:metrics_port; 0: off
     log_stats_interval: float = 10.0  # seconds between stats log lines; 0: off
+    security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS, tokens, admin port
 
 
 @dataclass
@@ -390,22 +402,16 @@ async def _serve_engine(
     stats_logger: StatsLogger | None,
 ) -> int:
     health_servicer = health.aio.HealthServicer()
-    server = grpc.aio.server(
-        options=[
-            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-            ("grpc.max_send_message_length", 64 * 1024 * 1024),
-            # Frontends ping every 10 s (engine_client.CHANNEL_OPTIONS); allow that, or
-            # the server answers GOAWAY "too_many_pings" after ~30 s idle. (The C-core
-            # name of this server option has no "recv" in it.)
-            ("grpc.http2.min_ping_interval_without_data_ms", 5000),
-            ("grpc.keepalive_permit_without_calls", 1),
-        ]
-    )
+    server = ServiceServer(server_config.host, server_config.port, server_config.security, MESSAGE_LIMITS)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{server_config.host}:{server_config.port}")
-    if bound == 0:
-        raise OSError(f"cannot bind {server_config.host}:{server_config.port}")
+    server.enable_reflection((SERVICE_NAME,))
+    bound = server.port
+    sec = server_config.security
+    if not (sec.engine_token or sec.tls.ca) and server_config.host not in LOOPBACK_HOSTS:
+        logger.warning(
+            "engine %d accepts any client on Stream: set --engine-token or --tls-ca to admit only frontends",
+            server_config.engine_index,
+        )
     servicer = EngineServicer(engine_config.model, tracing, metrics, stats_logger)
     engine_pb2_grpc.add_EngineCoreServicer_to_server(servicer, server)
     await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -472,6 +478,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         default=float(os.environ.get("TANDEM_LOG_STATS_INTERVAL", "10")),
         help="Seconds between engine stats log lines (throughput, queue, KV usage); 0: off.",
     )
+    add_server_security_cli(p, engine=True)
     EngineConfig.add_cli_args(p)
     p.set_defaults(handler=run_cli)
 
@@ -489,10 +496,14 @@ def run_cli(args: argparse.Namespace) -> int:
         engine_index=args.engine_index,
         metrics_port=args.metrics_port,
         log_stats_interval=args.log_stats_interval,
+        security=server_security_from_args(args, engine=True),
     )
     tracing = telemetry.tracing_from_env("tandem-engine")
     try:
         return asyncio.run(serve_engine(engine_config, server_config, tracing))
+    except (BindError, SecurityConfigError) as exc:
+        logger.error("tandem engine: %s", exc)
+        return 1
     finally:
         if tracing is not None:
             tracing.shutdown()

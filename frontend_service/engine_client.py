@@ -18,6 +18,7 @@ import grpc
 
 from tandem.protocol import convert
 from tandem.protocol.outputs import EngineCoreOutputs, EngineCoreRequest
+from tandem.security import EngineChannelSecurity
 from tandem.v1 import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class EngineConnection:
         on_outputs: OutputsHandler,
         on_dead: DeadHandler,
         on_alive: AliveHandler | None = None,
+        channel: EngineChannelSecurity | None = None,
     ) -> None:
         self.address = address
         self.index = index
@@ -73,7 +75,7 @@ class EngineConnection:
         self.on_outputs = on_outputs
         self.on_dead = on_dead
         self.on_alive = on_alive
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.channel = (channel or EngineChannelSecurity()).open_channel(address, CHANNEL_OPTIONS)
         self.stub = engine_pb2_grpc.EngineCoreStub(self.channel)
         self.info: engine_pb2.GetEngineInfoResponse | None = None
         self.load = EngineLoad()
@@ -210,11 +212,14 @@ class EngineGroup:
         on_outputs: OutputsHandler,
         on_dead: DeadHandler,
         on_alive: AliveHandler | None = None,
+        channel: EngineChannelSecurity | None = None,
     ) -> None:
+        """``channel``: TLS and token for every engine channel (None: plain text, no token)."""
         if not addresses:
             raise ValueError("at least one engine address is required")
+        self.channel = channel or EngineChannelSecurity()
         self.engines = [
-            EngineConnection(addr, i, client_index, on_outputs, on_dead, on_alive)
+            EngineConnection(addr, i, client_index, on_outputs, on_dead, on_alive, self.channel)
             for i, addr in enumerate(addresses)
         ]
 

@@ -17,7 +17,6 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from frontend_service import api
 from frontend_service.async_llm import AsyncLLM, PauseMode
@@ -31,8 +30,18 @@ from frontend_service.errors import abort_with
 from frontend_service.input_processor import InputProcessor
 from frontend_service.metrics import FrontendMetrics
 from tandem import telemetry
+from tandem.grpc_server import BindError, MessageLimits, ServiceServer
 from tandem.protocol.fingerprint import tokenizer_fingerprint
 from tandem.protocol.model_config import ModelConfig
+from tandem.security import (
+    EngineChannelSecurity,
+    SecurityConfigError,
+    ServerSecurity,
+    add_engine_channel_cli,
+    add_server_security_cli,
+    engine_channel_from_args,
+    server_security_from_args,
+)
 from tandem.telemetry import Tracing
 from tandem.v1 import frontend_pb2, frontend_pb2_grpc
 
@@ -40,6 +49,9 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = frontend_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 TRACE_METADATA_KEYS = ("traceparent", "tracestate")
+# A request is a prompt (or chat) and its sampling settings; prompt length is bounded by
+# max_model_len long before this. Responses may carry prompt logprobs: larger.
+MESSAGE_LIMITS = MessageLimits(max_receive_bytes=16 * 1024 * 1024, max_send_bytes=64 * 1024 * 1024)
 
 
 @dataclass
@@ -53,6 +65,8 @@ class FrontendConfig:
     client_index: int = 0  # tells engines which frontend a request came from
     connect_timeout: float = 60.0  # seconds to wait for every engine at start-up
     metrics_port: int = 0  # Prometheus /metrics on host:metrics_port; 0: off
+    security: ServerSecurity = field(default_factory=ServerSecurity)  # public TLS, admin token and port
+    engine_channel: EngineChannelSecurity = field(default_factory=EngineChannelSecurity)  # TLS, token to engines
 
 
 class GenerationServicer(frontend_pb2_grpc.GenerationServicer):
@@ -210,12 +224,10 @@ async def _serve_frontend(
     tokenizer = AutoTokenizer.from_pretrained(config.model)
     fingerprint = tokenizer_fingerprint(config.model)
     health_servicer = health.aio.HealthServicer()
-    server = grpc.aio.server()
+    server = ServiceServer(config.host, config.port, config.security, MESSAGE_LIMITS)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    bound = server.add_insecure_port(f"{config.host}:{config.port}")
-    if bound == 0:
-        raise OSError(f"cannot bind {config.host}:{config.port}")
+    server.enable_reflection((SERVICE_NAME,))
+    bound = server.port
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     servicer = GenerationServicer(fingerprint)
@@ -242,7 +254,9 @@ async def _serve_frontend(
     def on_alive(engine: EngineConnection) -> None:
         set_health(health_pb2.HealthCheckResponse.SERVING)
 
-    group = EngineGroup(config.engines, config.client_index, on_outputs, on_dead, on_alive)
+    group = EngineGroup(
+        config.engines, config.client_index, on_outputs, on_dead, on_alive, channel=config.engine_channel
+    )
     if metrics is not None:
         for engine in group.engines:
             metrics.watch_engine(engine.index, engine.address, lambda e=engine: e.alive)
@@ -310,6 +324,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--connect-timeout", type=float, default=float(env("TANDEM_CONNECT_TIMEOUT", "60")),
                    help="Seconds to wait for every engine at start-up (env TANDEM_CONNECT_TIMEOUT).")
     telemetry.add_metrics_cli(p, default_port=8000)
+    add_server_security_cli(p, engine=False)
+    add_engine_channel_cli(p)
     p.set_defaults(handler=run_cli)
 
 
@@ -330,6 +346,8 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         client_index=args.client_index,
         connect_timeout=args.connect_timeout,
         metrics_port=args.metrics_port,
+        security=server_security_from_args(args, engine=False),
+        engine_channel=engine_channel_from_args(args),
     )
 
 
@@ -337,7 +355,7 @@ def run_cli(args: argparse.Namespace) -> int:
     tracing = telemetry.tracing_from_env("tandem-frontend")
     try:
         return asyncio.run(serve_frontend(config_from_args(args), tracing=tracing))
-    except (EngineUnavailableError, TokenizerMismatchError) as exc:
+    except (EngineUnavailableError, TokenizerMismatchError, BindError, SecurityConfigError) as exc:
         logger.error("cannot start the frontend: %s", exc)
         return 1
     finally:

@@ -19,6 +19,8 @@ import sys
 
 from tandem import ports, telemetry
 from tandem.errors import UsageError
+from tandem.grpc_server import BindError
+from tandem.security import EngineChannelSecurity, SecurityConfigError, ServerSecurity, TlsFiles
 from tandem.supervisor import EngineProcess, EngineSupervisor, RestartPolicy
 
 logger = logging.getLogger(__name__)
@@ -60,6 +62,19 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                    default=int(env("TANDEM_ENGINE_METRICS_BASE_PORT", "8001")),
                    help="Engine i serves /metrics on this port + i; 0: off "
                    "(env TANDEM_ENGINE_METRICS_BASE_PORT).")
+    p.add_argument("--tls-cert", default=env("TANDEM_TLS_CERT", ""),
+                   help="PEM certificate chain: the frontend serves TLS (env TANDEM_TLS_CERT; default: plain text).")
+    p.add_argument("--tls-key", default=env("TANDEM_TLS_KEY", ""),
+                   help="PEM private key of --tls-cert (env TANDEM_TLS_KEY; default: none).")
+    p.add_argument("--admin-token", default=env("TANDEM_ADMIN_TOKEN", ""),
+                   help="Bearer token for admin RPCs on the frontend's and engines' public ports (env "
+                        "TANDEM_ADMIN_TOKEN, preferred; default: none, admin RPCs only on --admin-port).")
+    p.add_argument("--admin-port", type=int, default=int(env("TANDEM_ADMIN_PORT", "-1")),
+                   help="The frontend's 127.0.0.1-only admin listener (env TANDEM_ADMIN_PORT; default: "
+                        "--port + 1; 0: off).")
+    p.add_argument("--engine-token", default=env("TANDEM_ENGINE_TOKEN", ""),
+                   help="Shared secret between the frontend and its engines (env TANDEM_ENGINE_TOKEN; "
+                        "default: none, the engines listen on 127.0.0.1 only).")
     p.add_argument("engine_args", nargs=argparse.REMAINDER,
                    help="After '--': flags passed to every engine (e.g. -- --max-num-seqs 32).")
     p.set_defaults(handler=run_cli)
@@ -77,9 +92,29 @@ def engine_command(
     return cmd + extra
 
 
+def engine_env(args: argparse.Namespace) -> dict[str, str]:
+    """The engines' environment: tokens travel here, not in argv (visible to every user)."""
+    env = {**os.environ, "TANDEM_DRAIN_TIMEOUT": str(args.drain_timeout)}
+    for name, value in (("TANDEM_ADMIN_TOKEN", args.admin_token), ("TANDEM_ENGINE_TOKEN", args.engine_token)):
+        if value:
+            env[name] = value
+        else:
+            env.pop(name, None)
+    # The frontend's settings: engines run plain text on 127.0.0.1, without an admin port.
+    for name in ("TANDEM_ADMIN_PORT", "TANDEM_TLS_CERT", "TANDEM_TLS_KEY", "TANDEM_TLS_CA"):
+        env.pop(name, None)
+    return env
+
+
+def _admin_port(args: argparse.Namespace) -> int:
+    return args.port + 1 if args.admin_port < 0 else args.admin_port
+
+
 def _check_ports(args: argparse.Namespace) -> None:
     """Every port this stack will listen on, before anything starts."""
     ports.ensure_free(args.host, args.port, "frontend")
+    if _admin_port(args):
+        ports.ensure_free("127.0.0.1", _admin_port(args), "frontend admin")
     ports.ensure_free(args.host, args.metrics_port, "frontend metrics")
     for i in range(args.engines):
         ports.ensure_free(ENGINE_HOST, args.engine_base_port + i, f"engine {i}")
@@ -98,7 +133,7 @@ def run_cli(args: argparse.Namespace) -> int:
         model = demo_model_dir()
     extra = [a for a in args.engine_args if a != "--"]
     threads = max(1, (os.cpu_count() or 1) // args.engines)
-    env = {**os.environ, "TANDEM_DRAIN_TIMEOUT": str(args.drain_timeout)}
+    env = engine_env(args)
     engines = []
     for i in range(args.engines):
         port = args.engine_base_port + i
@@ -132,8 +167,13 @@ async def _serve(args: argparse.Namespace, model: str, supervisor: EngineSupervi
     addresses = [e.address for e in supervisor.engines]
     fields = {f.name for f in dataclasses.fields(FrontendConfig)}
     drain = {"drain_timeout": args.drain_timeout} if "drain_timeout" in fields else {}
+    admin_port = _admin_port(args)
     config = FrontendConfig(model=model, engines=addresses, host=args.host, port=args.port,
-                            connect_timeout=args.connect_timeout, metrics_port=args.metrics_port, **drain)
+                            connect_timeout=args.connect_timeout, metrics_port=args.metrics_port,
+                            security=ServerSecurity(TlsFiles(args.tls_cert, args.tls_key),
+                                                    admin_token=args.admin_token, admin_port=admin_port),
+                            engine_channel=EngineChannelSecurity(engine_token=args.engine_token), **drain)
+    admin = f", admin on 127.0.0.1:{admin_port}" if admin_port else ""
     tracing = telemetry.tracing_from_env("tandem-frontend")
     watch: asyncio.Task[None] | None = None
     own_signals()
@@ -141,7 +181,8 @@ async def _serve(args: argparse.Namespace, model: str, supervisor: EngineSupervi
         supervisor.start()
         await supervisor.wait_serving(args.connect_timeout)
         watch = asyncio.create_task(supervisor.watch())
-        print(f"tandem: frontend on {args.host}:{args.port}, engines on {', '.join(addresses)}", flush=True)
+        print(f"tandem: frontend on {args.host}:{args.port}{admin}, engines on {', '.join(addresses)}",
+              flush=True)
         # serve_frontend installs its own SIGINT/SIGTERM handlers (its drain) once it serves.
         rc = await serve_frontend(config, tracing=tracing)
     except asyncio.CancelledError:
@@ -149,6 +190,9 @@ async def _serve(args: argparse.Namespace, model: str, supervisor: EngineSupervi
             raise
         logger.info("signal %s during start-up: stopping", signal.Signals(signalled[0]).name)
         rc = 0
+    except (BindError, SecurityConfigError) as exc:
+        logger.error("tandem serve: %s", exc)
+        rc = 1
     finally:
         stopping = True
         with contextlib.suppress(Exception):

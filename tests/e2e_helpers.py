@@ -45,6 +45,10 @@ ENGINE_ARGS: tuple[str, ...] = (
     "--num-threads", "1",
 )
 START_TIMEOUT = 120.0  # seconds a process may take to report SERVING (busy CI cores)
+# Every child gets this admin token (TANDEM_ADMIN_TOKEN), so tests can call admin RPCs
+# (ResetPrefixCache, PauseGeneration) on the public ports with ADMIN_METADATA.
+ADMIN_TOKEN = "e2e-admin-token"
+ADMIN_METADATA = (("authorization", f"Bearer {ADMIN_TOKEN}"),)
 
 _children: list[subprocess.Popen[bytes]] = []
 
@@ -108,6 +112,7 @@ def child_env() -> dict[str, str]:
         OMP_NUM_THREADS="1",
         MKL_NUM_THREADS="1",
         TOKENIZERS_PARALLELISM="false",
+        TANDEM_ADMIN_TOKEN=ADMIN_TOKEN,
     )
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH")) if p)
     return env
@@ -300,7 +305,7 @@ class Stack:
             if engine.alive:
                 with grpc.insecure_channel(engine.address) as channel:
                     reply = engine_pb2_grpc.EngineCoreStub(channel).ResetPrefixCache(
-                        engine_pb2.ResetPrefixCacheRequest(), timeout=30
+                        engine_pb2.ResetPrefixCacheRequest(), timeout=30, metadata=ADMIN_METADATA
                     )
                 if not reply.success:
                     raise RuntimeError(f"{engine.name} could not reset its prefix cache")

@@ -37,7 +37,13 @@ from tandem import telemetry
 from tandem.protocol.outputs import FinishReason
 from tandem.telemetry import Tracing
 from tandem.v1 import common_pb2, engine_pb2, engine_pb2_grpc, frontend_pb2, frontend_pb2_grpc
-from tests.e2e_helpers import START_TIMEOUT, ServiceProcess, start_engine, start_frontend
+from tests.e2e_helpers import (
+    ADMIN_METADATA,
+    START_TIMEOUT,
+    ServiceProcess,
+    start_engine,
+    start_frontend,
+)
 from tests.factories import fake_step, make_request, make_scheduler
 
 pytestmark = pytest.mark.timeout(180)
@@ -444,7 +450,7 @@ def test_a_request_without_traceparent_starts_a_trace_at_the_frontend(traced: Tr
 def test_engine_start_up_and_utility_calls_are_traced(traced: TracedStack) -> None:
     with grpc.insecure_channel(traced.engine.address) as channel:
         reply = engine_pb2_grpc.EngineCoreStub(channel).ResetPrefixCache(
-            engine_pb2.ResetPrefixCacheRequest(), timeout=30
+            engine_pb2.ResetPrefixCacheRequest(), timeout=30, metadata=ADMIN_METADATA
         )
     assert reply.success
 
