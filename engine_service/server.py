@@ -36,6 +36,7 @@ from engine_service.cpu import keep_freed_memory_mapped
 from engine_service.metrics import EngineMetrics, StatsLogger
 from engine_service.tracing import RequestSpanEmitter
 from tandem import telemetry
+from tandem.grpc_guard import MalformedRequestGuard
 from tandem.protocol import convert
 from tandem.protocol.fingerprint import tokenizer_fingerprint
 from tandem.protocol.outputs import EngineCoreOutput, EngineCoreOutputs, FinishReason
@@ -391,6 +392,7 @@ async def _serve_engine(
 ) -> int:
     health_servicer = health.aio.HealthServicer()
     server = grpc.aio.server(
+        interceptors=[MalformedRequestGuard()],
         options=[
             ("grpc.max_receive_message_length", 64 * 1024 * 1024),
             ("grpc.max_send_message_length", 64 * 1024 * 1024),
