@@ -31,6 +31,9 @@ from tandem.protocol.outputs import EngineCoreRequest
 from tandem.protocol.sampling_params import InvalidRequestError, SamplingParams
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+# Ids and salts travel with every engine step and go into block hashes: keep them short.
+MAX_REQUEST_ID_CHARS = 512
+MAX_CACHE_SALT_CHARS = 1024
 
 
 @dataclass
@@ -156,6 +159,10 @@ class InputProcessor:
         """
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id", request_id, "must be a non-empty string")
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidRequestError(
+                "request_id", request_id, f"at most {MAX_REQUEST_ID_CHARS} characters"
+            )
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params", params, "must be SamplingParams")
@@ -168,8 +175,12 @@ class InputProcessor:
             raise InvalidRequestError("stop", params.stop, "stop strings need a tokenizer")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError("priority", priority, "must be an integer")
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise InvalidRequestError("cache_salt", cache_salt, "must be a non-empty string")
+        if cache_salt is not None and (
+            not isinstance(cache_salt, str) or not 0 < len(cache_salt) <= MAX_CACHE_SALT_CHARS
+        ):
+            raise InvalidRequestError(
+                "cache_salt", cache_salt, f"must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters"
+            )
 
         field, text, token_ids = self._prompt_tokens(
             prompt, prompt_token_ids, messages, add_special_tokens, add_generation_prompt

@@ -266,3 +266,38 @@ def test_the_models_other_eos_ids_stop_unless_ignore_eos(tokenizer: Any) -> None
     assert stopping.engine_requests[0].eos_token_id == eos
     ignoring = processor.process("b", SamplingParams(stop_token_ids=[3], ignore_eos=True), prompt="hi")
     assert ignoring.engine_requests[0].sampling_params.stop_token_ids == [3]
+
+
+@pytest.mark.parametrize(
+    ("field", "params"),
+    [
+        ("stop", SamplingParams(stop=["s"] * 129)),
+        ("stop_token_ids", SamplingParams(stop_token_ids=[3] * 100_000)),
+        ("allowed_token_ids", SamplingParams(allowed_token_ids=[3] * 100_000)),
+        ("logit_bias", SamplingParams(logit_bias={i: 1.0 for i in range(100_000)})),
+        ("seed", SamplingParams(seed=2**64)),
+        ("seed", SamplingParams(seed=-(2**63) - 1)),
+    ],
+)
+def test_size_and_range_limits(processor: InputProcessor, field: str, params: SamplingParams) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        processor.process("r", params, prompt="hi")
+    assert info.value.field == field
+
+
+def test_edge_values_inside_the_limits_pass(processor: InputProcessor) -> None:
+    for params in (
+        SamplingParams(stop=["s"] * 128, max_tokens=2),
+        SamplingParams(seed=2**64 - 1, max_tokens=2),
+        SamplingParams(seed=-(2**63), max_tokens=2),
+        SamplingParams(stop_token_ids=list(range(processor.vocab_size)), max_tokens=2),
+    ):
+        processor.process("r", params, prompt="hi")
+
+
+def test_request_id_and_cache_salt_lengths(processor: InputProcessor) -> None:
+    processor.process("r" * 512, prompt="hi", cache_salt="s" * 1024)
+    for kwargs, field in (({"request_id": "r" * 513}, "request_id"), ({"cache_salt": "s" * 1025}, "cache_salt")):
+        with pytest.raises(InvalidRequestError) as info:
+            processor.process(**{"request_id": "r", "prompt": "hi", **kwargs})
+        assert info.value.field == field
