@@ -35,6 +35,7 @@ from engine_service.cpu import keep_freed_memory_mapped
 from engine_service.metrics import EngineMetrics, StatsLogger
 from engine_service.tracing import RequestSpanEmitter
 from tandem import telemetry
+from tandem.grpc_guard import MalformedRequestGuard
 from tandem.grpc_server import BindError, MessageLimits, ServiceServer
 from tandem.protocol import convert
 from tandem.protocol.fingerprint import tokenizer_fingerprint
@@ -402,7 +403,10 @@ async def _serve_engine(
     stats_logger: StatsLogger | None,
 ) -> int:
     health_servicer = health.aio.HealthServicer()
-    server = ServiceServer(server_config.host, server_config.port, server_config.security, MESSAGE_LIMITS)
+    server = ServiceServer(
+        server_config.host, server_config.port, server_config.security, MESSAGE_LIMITS,
+        interceptors=[MalformedRequestGuard()],
+    )
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     server.enable_reflection((SERVICE_NAME,))
     bound = server.port

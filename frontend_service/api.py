@@ -20,11 +20,9 @@ class GenerateArgs:
 
 
 def generate_args_from_proto(msg: frontend_pb2.GenerateRequest) -> GenerateArgs:
-    params = (
-        convert.sampling_params_from_proto(msg.sampling_params)
-        if msg.HasField("sampling_params")
-        else SamplingParams()
-    )
+    # No sampling_params reads as an empty message: every field its documented default
+    # (output_kind DELTA included).
+    params = convert.sampling_params_from_proto(msg.sampling_params)
     kind = msg.WhichOneof("input")
     kwargs: dict[str, Any] = {
         "request_id": msg.request_id if msg.HasField("request_id") else None,

@@ -20,6 +20,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, EngineUnavailableError | EngineDeadError):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, MemoryError):  # a size no validation foresaw: too big, not a bug
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, "the request needs more memory than the server has"
     if isinstance(exc, TokenizerMismatchError):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, asyncio.CancelledError):

@@ -6,9 +6,14 @@ the gRPC layer maps to INVALID_ARGUMENT.
 
 Length policy: the prompt must leave room for at least one output token
 (``len(prompt) < max_model_len``). ``max_tokens=None`` becomes
-``max_model_len - len(prompt)``. A larger ``max_tokens`` is accepted as given: the
-engine's max_model_len check ends the request with finish reason "length" when
-prompt + output reaches ``max_model_len``.
+``max_model_len - len(prompt)``; an explicit ``max_tokens`` larger than that is
+rejected (``max_tokens`` named), not cut short. Text (a prompt, or the chat template's
+rendering of messages) longer than ``(max_model_len - 1) * L`` characters, with ``L``
+the tokenizer's certain characters-per-token bound (``prompt_bound``), is rejected
+before it is tokenized.
+
+Size limits: ``n`` is at most the engines' ``max_num_seqs`` (each of the ``n``
+completions is one engine request, and one engine runs at most that many at once).
 """
 
 from __future__ import annotations
@@ -21,10 +26,14 @@ from numbers import Integral
 from typing import Any
 
 from frontend_service.output_processor import ParentRequest
+from frontend_service.prompt_bound import max_token_chars
 from tandem.protocol.outputs import EngineCoreRequest
 from tandem.protocol.sampling_params import InvalidRequestError, SamplingParams
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+# Ids and salts travel with every engine step and go into block hashes: keep them short.
+MAX_REQUEST_ID_CHARS = 512
+MAX_CACHE_SALT_CHARS = 1024
 
 
 @dataclass
@@ -98,17 +107,25 @@ class InputProcessor:
         max_logprobs: int,
         eos_token_id: int | None,
         extra_eos_token_ids: Sequence[int] = (),
+        *,
+        max_num_seqs: int | None = None,
     ) -> None:
         """``extra_eos_token_ids``: the model's other end-of-sequence ids (e.g. the
         generation_config.json list of a chat model): they stop a request as stop tokens
-        unless it sets ``ignore_eos``."""
+        unless it sets ``ignore_eos``. ``max_num_seqs``: the largest ``n`` accepted
+        (None: no limit, for callers that run no engine)."""
         for name, value, low in (
             ("max_model_len", max_model_len, 1),
             ("vocab_size", vocab_size, 1),
             ("max_logprobs", max_logprobs, 0),
+            ("max_num_seqs", 1 if max_num_seqs is None else max_num_seqs, 1),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        self.max_num_seqs = max_num_seqs
+        token_chars = max_token_chars(tokenizer) if tokenizer is not None else None
+        # Longest text that may still fit (see the module docstring); None: no bound.
+        self.max_prompt_chars = None if token_chars is None else (max_model_len - 1) * token_chars
         self._tokenizer = tokenizer
         self._chat = ChatRenderer(tokenizer) if tokenizer is not None else None
         self.max_model_len = max_model_len
@@ -142,16 +159,28 @@ class InputProcessor:
         """
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id", request_id, "must be a non-empty string")
+        if len(request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidRequestError(
+                "request_id", request_id, f"at most {MAX_REQUEST_ID_CHARS} characters"
+            )
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError("sampling_params", params, "must be SamplingParams")
         params.validate(self.vocab_size, self.max_logprobs)
+        if self.max_num_seqs is not None and params.n > self.max_num_seqs:
+            raise InvalidRequestError(
+                "n", params.n, f"must be <= the engines' max_num_seqs ({self.max_num_seqs})"
+            )
         if params.stop and self._tokenizer is None:
             raise InvalidRequestError("stop", params.stop, "stop strings need a tokenizer")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise InvalidRequestError("priority", priority, "must be an integer")
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise InvalidRequestError("cache_salt", cache_salt, "must be a non-empty string")
+        if cache_salt is not None and (
+            not isinstance(cache_salt, str) or not 0 < len(cache_salt) <= MAX_CACHE_SALT_CHARS
+        ):
+            raise InvalidRequestError(
+                "cache_salt", cache_salt, f"must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters"
+            )
 
         field, text, token_ids = self._prompt_tokens(
             prompt, prompt_token_ids, messages, add_special_tokens, add_generation_prompt
@@ -220,11 +249,13 @@ class InputProcessor:
             if not prompt:
                 raise InvalidRequestError("prompt", prompt, "must not be empty")
             field = "prompt"
+            self._check_text_length("prompt", prompt)
         text, ids = self.encode(
             prompt=prompt,
             messages=messages,
             add_special_tokens=add_special_tokens,
             add_generation_prompt=add_generation_prompt,
+            check_length=True,
         )
         if not ids:
             raise InvalidRequestError(field, text, "tokenizes to no tokens")
@@ -237,15 +268,19 @@ class InputProcessor:
         messages: Any = None,
         add_special_tokens: bool | None = None,
         add_generation_prompt: bool | None = None,
+        check_length: bool = False,
     ) -> tuple[str, list[int]]:
         """(text, token ids) of ``messages`` rendered with the chat template, else of
-        ``prompt``, with the defaults described at ``process``; no length checks."""
+        ``prompt``, with the defaults described at ``process``. ``check_length``: refuse
+        a rendered chat that is certainly too long before tokenizing it."""
         if self._tokenizer is None or self._chat is None:
             raise InvalidRequestError("prompt", "...", "no tokenizer is loaded")
         if messages is not None:
             text = self._chat.render(
                 messages, True if add_generation_prompt is None else add_generation_prompt
             )
+            if check_length:
+                self._check_text_length("messages", text)
             # By default the template writes the special tokens it wants (BOS, turn markers).
             special = False if add_special_tokens is None else add_special_tokens
         else:
@@ -253,11 +288,29 @@ class InputProcessor:
             special = True if add_special_tokens is None else add_special_tokens
         return text, list(self._tokenizer.encode(text, add_special_tokens=special))
 
+    def _check_text_length(self, field: str, text: str) -> None:
+        """Refuse text that certainly tokenizes to >= max_model_len tokens (cheap: no
+        tokenization)."""
+        if self.max_prompt_chars is not None and len(text) > self.max_prompt_chars:
+            raise InvalidRequestError(
+                field,
+                f"<{len(text)} characters>",
+                f"{len(text)} characters are more than max_model_len {self.max_model_len} "
+                f"tokens can hold ({self.max_prompt_chars} characters at most)",
+            )
+
     def _check_token_ids(self, token_ids: Any) -> list[int]:
         if isinstance(token_ids, str | bytes) or not isinstance(token_ids, Sequence):
             raise InvalidRequestError("prompt_token_ids", token_ids, "must be a list of integers")
         if not token_ids:
             raise InvalidRequestError("prompt_token_ids", token_ids, "must not be empty")
+        if len(token_ids) >= self.max_model_len:  # before looking at each id
+            raise InvalidRequestError(
+                "prompt_token_ids",
+                len(token_ids),
+                f"prompt has {len(token_ids)} tokens; max_model_len {self.max_model_len} "
+                "leaves no room for output",
+            )
         checked: list[int] = []
         for i, token in enumerate(token_ids):
             if isinstance(token, bool) or not isinstance(token, Integral):
@@ -275,6 +328,13 @@ class InputProcessor:
         """A copy with max_tokens filled in; the caller's params are never modified."""
         room = self.max_model_len - prompt_len
         max_tokens = room if params.max_tokens is None else params.max_tokens
+        if max_tokens > room:
+            raise InvalidRequestError(
+                "max_tokens",
+                max_tokens,
+                f"the prompt's {prompt_len} tokens leave room for {room} within "
+                f"max_model_len {self.max_model_len}; ask for at most {room} or leave it unset",
+            )
         if params.min_tokens > min(max_tokens, room):
             raise InvalidRequestError(
                 "min_tokens",

@@ -35,6 +35,7 @@ class LLM:
             self.engine.config.max_logprobs,
             self.tokenizer.eos_token_id,
             mc.eos_token_ids,
+            max_num_seqs=self.engine.config.max_num_seqs,
         )
         self._counter = 0
 

@@ -30,6 +30,7 @@ from frontend_service.errors import abort_with
 from frontend_service.input_processor import InputProcessor
 from frontend_service.metrics import FrontendMetrics
 from tandem import telemetry
+from tandem.grpc_guard import MalformedRequestGuard
 from tandem.grpc_server import BindError, MessageLimits, ServiceServer
 from tandem.protocol.fingerprint import tokenizer_fingerprint
 from tandem.protocol.model_config import ModelConfig
@@ -224,7 +225,9 @@ async def _serve_frontend(
     tokenizer = AutoTokenizer.from_pretrained(config.model)
     fingerprint = tokenizer_fingerprint(config.model)
     health_servicer = health.aio.HealthServicer()
-    server = ServiceServer(config.host, config.port, config.security, MESSAGE_LIMITS)
+    server = ServiceServer(
+        config.host, config.port, config.security, MESSAGE_LIMITS, interceptors=[MalformedRequestGuard()]
+    )
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     server.enable_reflection((SERVICE_NAME,))
     bound = server.port
@@ -270,7 +273,8 @@ async def _serve_frontend(
     eos = tokenizer.eos_token_id
     eos_ids = model_eos_token_ids(config.model)
     processor = InputProcessor(
-        tokenizer, info.max_model_len, info.vocab_size, info.max_logprobs, eos, eos_ids
+        tokenizer, info.max_model_len, info.vocab_size, info.max_logprobs, eos, eos_ids,
+        max_num_seqs=info.max_num_seqs or None,
     )
     model_name = info.served_model_name or config.model
     llm = AsyncLLM(

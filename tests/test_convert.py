@@ -183,8 +183,9 @@ def test_sampling_params_round_trip() -> None:
 
 def test_sampling_params_unset_fields_take_documented_defaults() -> None:
     back = convert.sampling_params_from_proto(common_pb2.SamplingParams())
-    # Everything is the domain default except max_tokens: unset means no limit.
-    assert back == SamplingParams(max_tokens=None)
+    # Everything is the domain default except max_tokens (unset means no limit) and
+    # output_kind (the gRPC API streams deltas unless asked otherwise).
+    assert back == SamplingParams(max_tokens=None, output_kind=RequestOutputKind.DELTA)
     assert back.skip_special_tokens is True and back.n == 1 and back.temperature == 1.0
 
 
@@ -206,7 +207,7 @@ def test_sampling_params_unknown_output_kind_is_invalid_request() -> None:
 
 
 def test_output_kind_mapping() -> None:
-    assert convert.output_kind_from_proto(common_pb2.OUTPUT_KIND_UNSPECIFIED) is RequestOutputKind.CUMULATIVE
+    assert convert.output_kind_from_proto(common_pb2.OUTPUT_KIND_UNSPECIFIED) is RequestOutputKind.DELTA
     assert convert.output_kind_from_proto(common_pb2.OUTPUT_KIND_DELTA) is RequestOutputKind.DELTA
     assert convert.output_kind_to_proto(RequestOutputKind.FINAL_ONLY) == common_pb2.OUTPUT_KIND_FINAL_ONLY
 

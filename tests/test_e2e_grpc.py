@@ -170,6 +170,13 @@ def test_output_kinds(stub: frontend_pb2_grpc.GenerationStub) -> None:
     delta = run(stub, request(DELTA))
     assert len(delta) > 1
     assert joined(delta) == (final.text, list(final.token_ids))
+    # A client that does not choose gets deltas too (OUTPUT_KIND_UNSPECIFIED).
+    unset = run(stub, frontend_pb2.GenerateRequest(
+        prompt="Once upon a time",
+        sampling_params=common_pb2.SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+    ))
+    assert len(unset) > 1
+    assert joined(unset) == (final.text, list(final.token_ids))
     assert all(o.finish_reason == "" for r in delta[:-1] for o in r.outputs)
     assert delta[-1].outputs[0].finish_reason == "length"
 
@@ -467,8 +474,12 @@ BAD_REQUESTS: dict[str, tuple[Callable[[frontend_pb2.GenerateRequest], None], st
     "no input": (lambda r: r.ClearField("prompt"), "input"),
     "prompt too long": (lambda r: setattr(r, "prompt", " hello" * 1100), "prompt"),
     "prompt_token_ids too long": (_ids([5] * 1024), "prompt_token_ids"),
+    "prompt of 3 MiB": (lambda r: setattr(r, "prompt", "x" * 3 * 2**20), "prompt"),
     "max_tokens=0": (_set("max_tokens", 0), "max_tokens"),
+    "max_tokens past max_model_len": (_set("max_tokens", 1024), "max_tokens"),
     "n=0": (_set("n", 0), "n"),
+    "n=2**32-1": (_set("n", 2**32 - 1), "n"),
+    "too many stop strings": (lambda r: r.sampling_params.stop.extend(["s"] * 129), "stop"),
     "temperature<0": (_set("temperature", -0.5), "temperature"),
     "top_p=0": (_set("top_p", 0.0), "top_p"),
     "unknown output kind": (_set("output_kind", 99), "output_kind"),

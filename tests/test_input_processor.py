@@ -40,11 +40,72 @@ def test_text_prompt_is_tokenized_and_max_tokens_resolved(
     assert params.max_tokens is None  # the caller's params are not modified
 
 
-def test_max_tokens_beyond_the_context_is_kept_for_the_engine_to_cap(
-    processor: InputProcessor,
+def test_max_tokens_beyond_the_context_is_refused_and_the_room_itself_accepted(
+    processor: InputProcessor, rng: random.Random
 ) -> None:
-    processed = processor.process("r", SamplingParams(max_tokens=10_000), prompt="hi")
-    assert processed.engine_requests[0].sampling_params.max_tokens == 10_000
+    ids = [rng.randrange(processor.vocab_size) for _ in range(rng.randint(1, MAX_MODEL_LEN - 1))]
+    room = MAX_MODEL_LEN - len(ids)
+    with pytest.raises(InvalidRequestError) as info:
+        processor.process("r", SamplingParams(max_tokens=room + 1), prompt_token_ids=ids)
+    assert info.value.field == "max_tokens" and str(room) in str(info.value)
+    processed = processor.process("r", SamplingParams(max_tokens=room), prompt_token_ids=ids)
+    assert processed.engine_requests[0].sampling_params.max_tokens == room
+
+
+def test_n_is_limited_to_max_num_seqs(tokenizer: Any) -> None:
+    processor = InputProcessor(tokenizer, MAX_MODEL_LEN, len(tokenizer), MAX_LOGPROBS, None, max_num_seqs=4)
+    assert len(processor.process("r", SamplingParams(n=4), prompt="hi").engine_requests) == 4
+    for n in (5, 2**32 - 1):
+        with pytest.raises(InvalidRequestError) as info:
+            processor.process("r", SamplingParams(n=n), prompt="hi")
+        assert info.value.field == "n" and "max_num_seqs (4)" in str(info.value)
+
+
+def test_text_longer_than_the_character_bound_is_refused_without_tokenizing(
+    processor: InputProcessor, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bound = processor.max_prompt_chars
+    longest = max(len(t) for t in tokenizer.get_vocab())
+    assert bound == (MAX_MODEL_LEN - 1) * longest  # byte-level BPE: a certain bound
+    calls: list[str] = []
+    monkeypatch.setattr(tokenizer, "encode", lambda text, **kw: calls.append(text) or [5])
+    for field, kwargs in (
+        ("prompt", {"prompt": "x" * (bound + 1)}),
+        ("messages", {"messages": [{"role": "user", "content": "x" * (bound + 1)}]}),
+    ):
+        with pytest.raises(InvalidRequestError) as info:
+            processor.process("r", **kwargs)
+        assert info.value.field == field and "characters" in str(info.value)
+    assert calls == []  # refused before tokenization
+    processor.process("r", SamplingParams(max_tokens=1), prompt="x" * bound)
+    assert calls == ["x" * bound]  # at the bound it is tokenized (and may still fit)
+
+
+def test_character_bound_only_for_tokenizers_that_keep_every_character() -> None:
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from frontend_service.prompt_bound import max_token_chars
+
+    def fast(model: Any, pre: Any = None, norm: Any = None) -> PreTrainedTokenizerFast:
+        tok = Tokenizer(model)
+        if pre is not None:
+            tok.pre_tokenizer = pre
+        if norm is not None:
+            tok.normalizer = norm
+        return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+    vocab = {"a": 0, "b": 1, "ab": 2, "abab": 3}
+    merges = [("a", "b"), ("ab", "ab")]
+    byte_level = fast(models.BPE(vocab, merges), pre_tokenizers.ByteLevel())
+    assert max_token_chars(byte_level) == 4
+    # Whitespace splitting drops the spaces; WordPiece maps long words to one [UNK];
+    # NFKC can merge characters: none has a certain bound.
+    assert max_token_chars(fast(models.BPE(vocab, merges), pre_tokenizers.Whitespace())) is None
+    assert max_token_chars(fast(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))) is None
+    assert max_token_chars(
+        fast(models.BPE(vocab, merges), pre_tokenizers.ByteLevel(), normalizers.NFKC())
+    ) is None
 
 
 def test_token_ids_prompt_passes_through(processor: InputProcessor, rng: random.Random) -> None:
@@ -205,3 +266,38 @@ def test_the_models_other_eos_ids_stop_unless_ignore_eos(tokenizer: Any) -> None
     assert stopping.engine_requests[0].eos_token_id == eos
     ignoring = processor.process("b", SamplingParams(stop_token_ids=[3], ignore_eos=True), prompt="hi")
     assert ignoring.engine_requests[0].sampling_params.stop_token_ids == [3]
+
+
+@pytest.mark.parametrize(
+    ("field", "params"),
+    [
+        ("stop", SamplingParams(stop=["s"] * 129)),
+        ("stop_token_ids", SamplingParams(stop_token_ids=[3] * 100_000)),
+        ("allowed_token_ids", SamplingParams(allowed_token_ids=[3] * 100_000)),
+        ("logit_bias", SamplingParams(logit_bias={i: 1.0 for i in range(100_000)})),
+        ("seed", SamplingParams(seed=2**64)),
+        ("seed", SamplingParams(seed=-(2**63) - 1)),
+    ],
+)
+def test_size_and_range_limits(processor: InputProcessor, field: str, params: SamplingParams) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        processor.process("r", params, prompt="hi")
+    assert info.value.field == field
+
+
+def test_edge_values_inside_the_limits_pass(processor: InputProcessor) -> None:
+    for params in (
+        SamplingParams(stop=["s"] * 128, max_tokens=2),
+        SamplingParams(seed=2**64 - 1, max_tokens=2),
+        SamplingParams(seed=-(2**63), max_tokens=2),
+        SamplingParams(stop_token_ids=list(range(processor.vocab_size)), max_tokens=2),
+    ):
+        processor.process("r", params, prompt="hi")
+
+
+def test_request_id_and_cache_salt_lengths(processor: InputProcessor) -> None:
+    processor.process("r" * 512, prompt="hi", cache_salt="s" * 1024)
+    for kwargs, field in (({"request_id": "r" * 513}, "request_id"), ({"cache_salt": "s" * 1025}, "cache_salt")):
+        with pytest.raises(InvalidRequestError) as info:
+            processor.process(**{"request_id": "r", "prompt": "hi", **kwargs})
+        assert info.value.field == field

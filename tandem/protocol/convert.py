@@ -12,7 +12,8 @@ Mapping rules, where the two sides differ:
 - Empty proto containers read back as ``None`` where the domain field is optional
   (logit_bias, allowed_token_ids, trace_headers, finished_requests).
 - ``RequestOutputKind`` is shifted by one on the wire (0 is OUTPUT_KIND_UNSPECIFIED,
-  read as CUMULATIVE). ``FinishReason`` values are equal on both sides, 0 = None.
+  read as DELTA: a gRPC stream that did not choose gets only what is new in each
+  message; the domain default, for the in-process ``LLM``, stays vLLM's CUMULATIVE). ``FinishReason`` values are equal on both sides, 0 = None.
 - Logprobs are float32 on the wire: values read back rounded to float32.
 - EngineCoreOutputs: outputs with nothing but new tokens and a cached-token count
   travel in ``token_columns`` (flat packed arrays), the others as EngineCoreOutput
@@ -112,9 +113,9 @@ def output_kind_to_proto(kind: RequestOutputKind) -> int:
 
 
 def output_kind_from_proto(value: int) -> RequestOutputKind:
-    """common_pb2.OutputKind value -> domain; UNSPECIFIED is CUMULATIVE."""
+    """common_pb2.OutputKind value -> domain; UNSPECIFIED is DELTA (the API's default)."""
     if value == common_pb2.OUTPUT_KIND_UNSPECIFIED:
-        return RequestOutputKind.CUMULATIVE
+        return RequestOutputKind.DELTA
     if not 0 < value <= _NUM_OUTPUT_KINDS:
         raise InvalidRequestError("output_kind", value, "unknown output kind")
     return RequestOutputKind(value - 1)

@@ -23,6 +23,11 @@ class InvalidRequestError(ValueError):
         super().__init__(f"invalid {field}={shown}: {reason}")
 
 
+MAX_STOP_STRINGS = 128  # every stop string is searched for on every new token
+# torch.Generator.manual_seed accepts [-2**63, 2**64); the wire's int64 fits inside.
+SEED_RANGE = (-(2**63), 2**64)
+
+
 class RequestOutputKind(enum.IntEnum):
     """What each streamed output of a request carries."""
 
@@ -94,8 +99,14 @@ class SamplingParams:
             raise InvalidRequestError(
                 "min_tokens", self.min_tokens, f"must be <= max_tokens ({self.max_tokens})"
             )
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise InvalidRequestError("seed", self.seed, "must be an integer")
+        if self.seed is not None and (
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]
+        ):
+            raise InvalidRequestError(
+                "seed", self.seed, f"must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]})"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is None:
@@ -105,6 +116,10 @@ class SamplingParams:
                 raise InvalidRequestError(
                     name, value, f"must be <= the engine's max_logprobs ({max_logprobs})"
                 )
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(
+                "stop", f"<{len(self.stop)} strings>", f"at most {MAX_STOP_STRINGS} stop strings"
+            )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop", self.stop, "stop strings must be non-empty")
         if vocab_size is not None:
@@ -138,6 +153,10 @@ def _int_at_least(name: str, value: Any, low: int, extra: str = "") -> None:
 
 
 def _token_ids_in_vocab(name: str, ids: list[int], vocab_size: int) -> None:
+    if len(ids) > vocab_size:  # more ids than the vocabulary has can only repeat some
+        raise InvalidRequestError(
+            name, f"<{len(ids)} ids>", f"at most vocab_size ({vocab_size}) token ids"
+        )
     for token in ids:
         if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
             raise InvalidRequestError(name, token, f"token id outside the vocabulary [0, {vocab_size})")
