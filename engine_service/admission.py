@@ -1,0 +1,124 @@
+"""Engine admission control: bounds on the waiting queue, and the retry hint.
+
+A request is refused at arrival (RESOURCE_EXHAUSTED, never queued) when either bound
+would be crossed:
+
+* ``max_pending_requests``: requests in the waiting queue (preempted ones included).
+* ``max_pending_tokens``: tokens of the waiting requests (each needs that many KV slots
+  once it runs) plus the newcomer's prompt. Set to a multiple of the KV cache's token
+  capacity, it refuses work the cache could not start on for several full turnovers,
+  whatever the request count. A newcomer that finds the waiting queue empty always
+  passes this check: validation already guarantees one request fits the cache.
+
+The retry hint is the expected wait for the waiting queue to shrink by one: the
+inverse of an EWMA of the rate at which requests leave it for the running batch,
+measured only while the queue is non-empty (an idle engine has no drain rate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem.protocol.outputs import ErrorCode, RequestError
+
+MIN_RETRY_AFTER_MS = 50
+MAX_RETRY_AFTER_MS = 30_000
+DEFAULT_RETRY_AFTER_MS = 1_000  # before any drain was measured
+
+
+class RequestRejected(Exception):
+    """The engine ended a request at arrival; ``error`` is the status to report."""
+
+    def __init__(self, error: RequestError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    """Bounds on the waiting queue; 0 disables a bound."""
+
+    max_pending_requests: int = 0
+    max_pending_tokens: int = 0
+
+
+class DrainRate:
+    """Requests admitted from the waiting queue to the running batch per second (EWMA).
+
+    Admissions are counted over windows of at least ``window_s`` seconds during which
+    the queue was non-empty; each window gives one sample ``admitted / elapsed`` that
+    moves the average by ``alpha``. Time with an empty queue starts a new window.
+    """
+
+    def __init__(self, window_s: float = 0.5, alpha: float = 0.3) -> None:
+        self.window_s = window_s
+        self.alpha = alpha
+        self.rate: float | None = None  # requests/s; None: nothing measured yet
+        self._window_start: float | None = None
+        self._admitted = 0
+
+    def observe(self, now: float, admitted: int, num_waiting: int) -> None:
+        """One step: ``admitted`` requests left the queue; ``num_waiting`` remain."""
+        if self._window_start is None:
+            if num_waiting == 0:
+                return  # idle: no drain to measure
+            self._window_start, self._admitted = now, 0
+        self._admitted += admitted
+        elapsed = now - self._window_start
+        if elapsed >= self.window_s:
+            sample = self._admitted / elapsed
+            self.rate = sample if self.rate is None else (
+                self.alpha * sample + (1 - self.alpha) * self.rate
+            )
+            self._window_start = now if num_waiting else None
+            self._admitted = 0
+        elif num_waiting == 0 and admitted == 0:
+            self._window_start = None  # the queue emptied before the window closed
+
+    def retry_after_ms(self) -> int:
+        """Expected wait for the queue to shrink by one, in [MIN, MAX]_RETRY_AFTER_MS."""
+        if self.rate is None:
+            return DEFAULT_RETRY_AFTER_MS
+        if self.rate <= 0:
+            return MAX_RETRY_AFTER_MS
+        return int(min(max(1000.0 / self.rate, MIN_RETRY_AFTER_MS), MAX_RETRY_AFTER_MS))
+
+
+class AdmissionController:
+    """Decides whether a new request may join the waiting queue."""
+
+    def __init__(self, limits: AdmissionLimits, drain_rate: DrainRate | None = None) -> None:
+        self.limits = limits
+        self.drain_rate = drain_rate if drain_rate is not None else DrainRate()
+
+    def check(self, num_waiting: int, waiting_tokens: int, num_new_tokens: int) -> None:
+        """Raise RequestRejected(RESOURCE_EXHAUSTED) when admitting would cross a bound."""
+        limits = self.limits
+        if limits.max_pending_requests and num_waiting >= limits.max_pending_requests:
+            self._reject(
+                f"the engine's waiting queue is full ({num_waiting} requests, "
+                f"max_pending_requests={limits.max_pending_requests})"
+            )
+        if (
+            limits.max_pending_tokens
+            and num_waiting
+            and waiting_tokens + num_new_tokens > limits.max_pending_tokens
+        ):
+            self._reject(
+                f"the engine's waiting queue holds {waiting_tokens} tokens; "
+                f"{num_new_tokens} more would exceed max_pending_tokens="
+                f"{limits.max_pending_tokens} (max_pending_kv_multiple x the KV cache)"
+            )
+
+    def _reject(self, message: str) -> None:
+        raise RequestRejected(
+            RequestError(
+                ErrorCode.RESOURCE_EXHAUSTED,
+                message,
+                retry_after_ms=self.drain_rate.retry_after_ms(),
+            )
+        )
+
+
+def deadline_exceeded(message: str) -> RequestError:
+    return RequestError(ErrorCode.DEADLINE_EXCEEDED, message)
