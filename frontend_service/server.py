@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from frontend_service import api
+from frontend_service.admission import DEFAULT_MAX_PENDING_REQUESTS, PendingLimit
 from frontend_service.async_llm import AsyncLLM, PauseMode
 from frontend_service.engine_client import (
     EngineConnection,
@@ -53,6 +54,9 @@ class FrontendConfig:
     client_index: int = 0  # tells engines which frontend a request came from
     connect_timeout: float = 60.0  # seconds to wait for every engine at start-up
     metrics_port: int = 0  # Prometheus /metrics on host:metrics_port; 0: off
+    # Requests admitted and not finished beyond which Generate answers RESOURCE_EXHAUSTED
+    # without contacting an engine; 0: unbounded.
+    max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS
 
 
 class GenerationServicer(frontend_pb2_grpc.GenerationServicer):
@@ -82,7 +86,13 @@ class GenerationServicer(frontend_pb2_grpc.GenerationServicer):
             metadata = dict(context.invocation_metadata() or ())
             trace = {k: metadata[k] for k in TRACE_METADATA_KEYS if k in metadata}
             first = True
-            async for out in self.llm.generate(args.sampling_params, trace_headers=trace or None, **args.kwargs):
+            stream = self.llm.generate(
+                args.sampling_params,
+                trace_headers=trace or None,
+                timeout_s=context.time_remaining(),  # None without a client deadline
+                **args.kwargs,
+            )
+            async for out in stream:
                 yield api.response_to_proto(out, args.sampling_params, first)
                 first = False
                 if out.finished and any(c.finish_reason == "error" for c in out.outputs):
@@ -262,6 +272,7 @@ async def _serve_frontend(
     llm = AsyncLLM(
         tokenizer, group, processor, config.client_index,
         model_name=model_name, metrics=metrics, tracing=tracing,
+        admission=PendingLimit(config.max_pending_requests),
     )
     holder["llm"] = llm
     servicer.attach(llm, model_name, info)
@@ -301,6 +312,13 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=int(env("TANDEM_FRONTEND_PORT", "50051")))
     p.add_argument("--client-index", type=int, default=int(env("TANDEM_CLIENT_INDEX", "0")))
     p.add_argument("--connect-timeout", type=float, default=float(env("TANDEM_CONNECT_TIMEOUT", "60")))
+    p.add_argument(
+        "--max-pending-requests", type=int,
+        default=int(env("TANDEM_MAX_PENDING_REQUESTS", str(DEFAULT_MAX_PENDING_REQUESTS))),
+        help="Requests in progress (admitted, not finished) beyond which Generate answers "
+        "RESOURCE_EXHAUSTED with a retry hint, without contacting an engine; 0: unbounded "
+        f"(env TANDEM_MAX_PENDING_REQUESTS, default {DEFAULT_MAX_PENDING_REQUESTS}).",
+    )
     telemetry.add_metrics_cli(p, default_port=8000)
     p.set_defaults(handler=run_cli)
 
@@ -322,6 +340,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         client_index=args.client_index,
         connect_timeout=args.connect_timeout,
         metrics_port=args.metrics_port,
+        max_pending_requests=args.max_pending_requests,
     )
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from engine_service.admission import (
-    MAX_RETRY_AFTER_MS,
     AdmissionController,
     AdmissionLimits,
     DrainRate,
@@ -14,6 +13,7 @@ from engine_service.admission import (
 from engine_service.request import Request, RequestStatus
 from engine_service.scheduler import Scheduler
 from engine_service.waiting_queue import WaitingQueue
+from tandem.drain_rate import MAX_RETRY_AFTER_MS
 from tandem.protocol.outputs import ErrorCode, FinishReason
 from tests.factories import fake_step, make_request, make_scheduler
 
