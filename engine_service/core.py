@@ -214,20 +214,28 @@ class EngineCore:
         req.sampling_params.validate(vocab, self.config.max_logprobs)
 
     def add_request(self, req: EngineCoreRequest) -> None:
-        """Queue a request. Raises InvalidRequestError (bad input) or RequestRejected
-        (deadline already passed, or the waiting queue is full: see admission.py)."""
+        """Queue a request, however long the queue (the in-process LLM, benchmarks).
+        Raises InvalidRequestError on bad input, RequestRejected when its deadline has
+        already passed."""
+        self._queue(req, admission=False)
+
+    def admit_request(self, req: EngineCoreRequest) -> None:
+        """Queue a request that arrived through the service: as ``add_request``, and
+        RequestRejected(RESOURCE_EXHAUSTED) when the waiting queue is full
+        (see admission.py)."""
+        self._queue(req, admission=True)
+
+    def _queue(self, req: EngineCoreRequest, admission: bool) -> None:
         self.validate_request(req)
         if req.request_id in self.scheduler.requests:
             raise InvalidRequestError("request_id", req.request_id, "a request with this id is running")
         request = Request.from_engine_core_request(req)
-        self._admit(request)
-        self.scheduler.add_request(request)
-
-    def _admit(self, request: Request) -> None:
         if request.deadline is not None and request.deadline <= time.monotonic():
             raise RequestRejected(deadline_exceeded("the request's deadline passed before it was queued"))
-        waiting = self.scheduler.waiting
-        self.admission.check(len(waiting), waiting.num_tokens, request.num_tokens)
+        if admission:
+            waiting = self.scheduler.waiting
+            self.admission.check(len(waiting), waiting.num_tokens, request.num_tokens)
+        self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Abort requests in any state; their blocks are free on return."""

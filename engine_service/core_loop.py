@@ -155,7 +155,7 @@ class EngineCoreLoop:
     def _apply(self, core: EngineCore, kind: InputType, payload: Any) -> None:
         if kind is InputType.ADD:
             try:
-                core.add_request(payload)
+                core.admit_request(payload)
             except InvalidRequestError as exc:
                 # Services validate before enqueueing; this is the last line of defence.
                 logger.warning("rejected request %s: %s", payload.request_id, exc)
