@@ -79,3 +79,39 @@ class AdmissionController:
 
 def deadline_exceeded(message: str) -> RequestError:
     return RequestError(ErrorCode.DEADLINE_EXCEEDED, message)
+
+
+class PrefillBound:
+    """A lower bound on how long a prefill of ``n`` tokens takes, from measured steps.
+
+    A prefill of ``n`` tokens needs at least ``ceil(n / max_num_batched_tokens)`` steps,
+    each no faster than the fastest step seen, and no more tokens per second than the
+    best step managed: the bound is the larger of the two. Both records decay by
+    ``decay`` per step toward the current speed, so a machine that got slower (other
+    load, longer contexts) is not judged by an old best. Shedding a request whose
+    remaining time is below this bound drops only requests that cannot make it.
+    """
+
+    def __init__(self, max_num_batched_tokens: int, decay: float = 0.99) -> None:
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.decay = decay
+        self.fastest_step: float | None = None  # seconds
+        self.peak_rate: float | None = None  # tokens per second
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """One step that computed ``num_tokens`` tokens in ``seconds``."""
+        if num_tokens <= 0 or seconds <= 0:
+            return
+        rate = num_tokens / seconds
+        if self.fastest_step is None or self.peak_rate is None:
+            self.fastest_step, self.peak_rate = seconds, rate
+            return
+        self.fastest_step = min(seconds, self.fastest_step / self.decay)
+        self.peak_rate = max(rate, self.peak_rate * self.decay)
+
+    def seconds(self, num_tokens: int) -> float:
+        """At least this long to prefill ``num_tokens`` tokens (0.0 before any step)."""
+        if self.fastest_step is None or self.peak_rate is None or num_tokens <= 0:
+            return 0.0
+        steps = -(-num_tokens // self.max_num_batched_tokens)
+        return max(steps * self.fastest_step, num_tokens / self.peak_rate)

@@ -251,13 +251,16 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         """Schedule, run the model, update request state, and report what happened."""
-        self._aborted.extend(self.scheduler.expire(time.monotonic()))
-        sched = self.scheduler.schedule()
+        scheduler = self.scheduler
+        self._aborted.extend(scheduler.expire(time.monotonic()))
+        sched = scheduler.schedule()
+        self._aborted.extend(scheduler.take_shed())
+        start = time.monotonic()
         result = self.runner.execute(sched) if not sched.is_empty else RunnerOutput()
-        finished = self.scheduler.update_after_step(sched, result.sampled)
-        self.admission.drain_rate.observe(
-            time.monotonic(), self.scheduler.take_num_admitted(), len(self.scheduler.waiting)
-        )
+        now = time.monotonic()
+        scheduler.prefill_bound.observe(sched.num_scheduled_tokens, now - start)
+        finished = scheduler.update_after_step(sched, result.sampled)
+        self.admission.drain_rate.observe(now, scheduler.take_num_admitted(), len(scheduler.waiting))
         return self._make_outputs(sched, result, finished)
 
     def _make_outputs(

@@ -7,6 +7,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from engine_service.admission import PrefillBound
 from engine_service.kv_cache.manager import KVCacheManager
 from engine_service.request import Request, RequestStatus
 from engine_service.waiting_queue import WaitingQueue
@@ -62,6 +63,9 @@ class Scheduler:
         # dropped lazily when they reach the top.
         self._deadlines: list[tuple[float, int, Request]] = []
         self._deadline_seq = itertools.count()
+        # Fed by the core with each step's tokens and time; bounds prefill times below.
+        self.prefill_bound = PrefillBound(max_num_batched_tokens)
+        self._shed: list[Request] = []  # dropped before prefill this step (deadline)
         # Per-step token counts for IterationStats (taken and reset by the core).
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
@@ -142,6 +146,30 @@ class Scheduler:
             expired.append(request)
         return expired
 
+    def take_shed(self) -> list[Request]:
+        """Requests ended by the last schedule() because their deadline could not be met."""
+        shed, self._shed = self._shed, []
+        return shed
+
+    def _shed_if_late(self, request: Request, num_tokens: int) -> bool:
+        """End ``request`` (popped from the queue head) if even the fastest prefill of its
+        ``num_tokens`` uncomputed tokens would end after its deadline."""
+        if request.deadline is None:
+            return False
+        left = request.deadline - self._step_start
+        need = self.prefill_bound.seconds(num_tokens)
+        if left >= need:
+            return False
+        self.waiting.pop()
+        error = RequestError(
+            ErrorCode.DEADLINE_EXCEEDED,
+            f"shed before prefill: {max(left, 0.0) * 1000:.0f} ms left to the deadline, "
+            f"a prefill of {num_tokens} tokens takes at least {need * 1000:.0f} ms here",
+        )
+        self._finish(request, FinishReason.ERROR, now=self._step_start, error=error)
+        self._shed.append(request)
+        return True
+
     def take_num_admitted(self) -> int:
         """Requests moved from waiting to running since the last call."""
         n, self._num_admitted = self._num_admitted, 0
@@ -200,6 +228,8 @@ class Scheduler:
             if request.num_computed_tokens == 0:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             n = request.num_tokens - request.num_computed_tokens - num_hit_tokens
+            if self._shed_if_late(request, n):
+                continue
             if not self.enable_chunked_prefill and n > budget:
                 break
             n = min(n, budget)

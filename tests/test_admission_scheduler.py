@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from engine_service.admission import (
     AdmissionController,
     AdmissionLimits,
     DrainRate,
+    PrefillBound,
     RequestRejected,
 )
 from engine_service.request import Request, RequestStatus
@@ -86,8 +89,9 @@ def test_waiting_tokens_bound_rejects_only_behind_a_non_empty_queue() -> None:
 
 def test_expired_requests_are_dropped_waiting_and_aborted_running_with_blocks_freed() -> None:
     sched = make_scheduler(num_blocks=16, block_size=4, max_num_seqs=1)
-    running = _with_deadline(make_request(10, max_tokens=100), 100.0)
-    waiting = _with_deadline(make_request(10, max_tokens=100), 200.0)
+    now = time.monotonic()
+    running = _with_deadline(make_request(10, max_tokens=100), now + 100)
+    waiting = _with_deadline(make_request(10, max_tokens=100), now + 200)
     no_deadline = make_request(10, max_tokens=100)
     for r in (running, waiting, no_deadline):
         sched.add_request(r)
@@ -96,8 +100,8 @@ def test_expired_requests_are_dropped_waiting_and_aborted_running_with_blocks_fr
     assert running.status == RequestStatus.RUNNING and running.num_output_tokens > 0
     assert sched.kv.pool.num_free_blocks < sched.kv.pool.num_blocks
 
-    assert sched.expire(99.0) == []
-    expired = sched.expire(250.0)
+    assert sched.expire(now + 99) == []
+    expired = sched.expire(now + 250)
     assert set(expired) == {running, waiting}
     for r in expired:
         assert r.finish_reason == FinishReason.ERROR
@@ -113,11 +117,12 @@ def test_expired_requests_are_dropped_waiting_and_aborted_running_with_blocks_fr
 
 def test_a_finished_request_does_not_expire_later() -> None:
     sched = make_scheduler()
-    r = _with_deadline(make_request(4, max_tokens=1), 10.0)
+    now = time.monotonic()
+    r = _with_deadline(make_request(4, max_tokens=1), now + 10)
     sched.add_request(r)
     fake_step(sched)
     assert r.finish_reason == FinishReason.LENGTH
-    assert sched.expire(20.0) == []
+    assert sched.expire(now + 20) == []
 
 
 # ---- earliest deadline first ------------------------------------------------------------
@@ -178,3 +183,35 @@ def test_scheduler_admits_the_earliest_deadline_first() -> None:
             if s.request.request_id not in order:
                 order.append(s.request.request_id)
     assert order == [first.request_id, soon.request_id, late.request_id]
+
+
+# ---- shedding before prefill --------------------------------------------------------------
+
+
+def test_prefill_bound_is_the_larger_of_step_count_and_peak_rate() -> None:
+    bound = PrefillBound(max_num_batched_tokens=64, decay=1.0)
+    assert bound.seconds(1000) == 0.0  # nothing measured: never sheds
+    bound.observe(64, 0.5)  # 128 tokens/s
+    bound.observe(1, 0.01)  # a fast decode step: 100 tokens/s
+    assert bound.fastest_step == 0.01 and bound.peak_rate == 128.0
+    assert bound.seconds(640) == pytest.approx(5.0)  # rate-bound: 640 / 128
+    assert bound.seconds(10) == pytest.approx(10 / 128)
+
+
+def test_a_request_that_cannot_prefill_before_its_deadline_is_shed() -> None:
+    sched = make_scheduler(max_num_seqs=4)
+    sched.prefill_bound.observe(64, 1.0)  # this "machine" prefills 64 tokens/s at best
+    now = time.monotonic()
+    hopeless = _with_deadline(make_request(32), now + 0.1)  # needs >= 0.5 s
+    fine = _with_deadline(make_request(32, max_tokens=1), now + 3600)
+    sched.add_request(hopeless)
+    sched.add_request(fine)
+    out, _ = fake_step(sched)
+    assert [s.request for s in out.scheduled] == [fine]
+    (shed,) = sched.take_shed()
+    assert shed is hopeless and hopeless.finish_reason == FinishReason.ERROR
+    assert hopeless.error is not None and hopeless.error.code == ErrorCode.DEADLINE_EXCEEDED
+    assert "shed before prefill" in hopeless.error.message
+    assert sched.take_shed() == []
+    assert sched.num_unfinished == 0
+    assert sched.kv.pool.num_free_blocks == sched.kv.pool.num_blocks
