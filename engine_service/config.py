@@ -97,6 +97,21 @@ class EngineConfig:
             "the ISA for it, else torch."
         },
     )
+    max_pending_requests: int | None = field(
+        default=None,
+        metadata={
+            "help": "Most requests in the waiting queue; a request beyond it ends at once with "
+            "RESOURCE_EXHAUSTED and a retry hint. Default: 4 x max_num_seqs; 0: unbounded."
+        },
+    )
+    max_pending_kv_multiple: float = field(
+        default=4.0,
+        metadata={
+            "help": "Refuse a request (RESOURCE_EXHAUSTED) when the tokens of the waiting "
+            "requests plus its prompt exceed this many times the KV cache's token capacity. "
+            "Default 4.0; 0: off."
+        },
+    )
     num_threads: int | None = field(
         default=None, metadata={"help": "torch intra-op threads on CPU; default: all cores."}
     )
@@ -112,6 +127,12 @@ class EngineConfig:
             self._check_positive("kv_cache_memory_bytes")
         if self.num_gpu_blocks_override is not None:
             self._check_positive("num_gpu_blocks_override")
+        if self.max_pending_requests is not None:
+            self._check_positive("max_pending_requests", allow_zero=True)
+        if not self.max_pending_kv_multiple >= 0.0:
+            raise ConfigError(
+                f"max_pending_kv_multiple must be >= 0, got {self.max_pending_kv_multiple}"
+            )
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
@@ -143,6 +164,13 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    @property
+    def resolved_max_pending_requests(self) -> int:
+        """The waiting-queue bound; 0: unbounded."""
+        if self.max_pending_requests is None:
+            return 4 * self.max_num_seqs
+        return self.max_pending_requests
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -9,6 +9,12 @@ from typing import Any
 
 import torch
 
+from engine_service.admission import (
+    AdmissionController,
+    AdmissionLimits,
+    RequestRejected,
+    deadline_exceeded,
+)
 from engine_service.attention import AttentionMetadata
 from engine_service.config import ConfigError, EngineConfig
 from engine_service.cpu import keep_freed_memory_mapped
@@ -100,7 +106,10 @@ class EngineCore:
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
         self.runner = ModelRunner(config, self.model, self.model_config, kv_caches, self.kv_manager)
+        # Requests ended outside a step's forward pass (aborts, expired deadlines): the
+        # next outputs report them.
         self._aborted: list[Request] = []
+        self.admission = AdmissionController(self._admission_limits())
         logger.info(
             "engine %d ready in %.1fs: %s, %d KV blocks of %d tokens, max_model_len %d",
             engine_index,
@@ -124,6 +133,13 @@ class EngineCore:
                 f"({self.config.model}/config.json)"
             )
         return wanted
+
+    def _admission_limits(self) -> AdmissionLimits:
+        capacity = self.num_blocks * self.config.block_size  # tokens the KV cache holds
+        return AdmissionLimits(
+            max_pending_requests=self.config.resolved_max_pending_requests,
+            max_pending_tokens=int(self.config.max_pending_kv_multiple * capacity),
+        )
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config
@@ -198,10 +214,28 @@ class EngineCore:
         req.sampling_params.validate(vocab, self.config.max_logprobs)
 
     def add_request(self, req: EngineCoreRequest) -> None:
+        """Queue a request, however long the queue (the in-process LLM, benchmarks).
+        Raises InvalidRequestError on bad input, RequestRejected when its deadline has
+        already passed."""
+        self._queue(req, admission=False)
+
+    def admit_request(self, req: EngineCoreRequest) -> None:
+        """Queue a request that arrived through the service: as ``add_request``, and
+        RequestRejected(RESOURCE_EXHAUSTED) when the waiting queue is full
+        (see admission.py)."""
+        self._queue(req, admission=True)
+
+    def _queue(self, req: EngineCoreRequest, admission: bool) -> None:
         self.validate_request(req)
         if req.request_id in self.scheduler.requests:
             raise InvalidRequestError("request_id", req.request_id, "a request with this id is running")
-        self.scheduler.add_request(Request.from_engine_core_request(req))
+        request = Request.from_engine_core_request(req)
+        if request.deadline is not None and request.deadline <= time.monotonic():
+            raise RequestRejected(deadline_exceeded("the request's deadline passed before it was queued"))
+        if admission:
+            waiting = self.scheduler.waiting
+            self.admission.check(len(waiting), waiting.num_tokens, request.num_tokens)
+        self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Abort requests in any state; their blocks are free on return."""
@@ -217,9 +251,16 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutputs:
         """Schedule, run the model, update request state, and report what happened."""
-        sched = self.scheduler.schedule()
+        scheduler = self.scheduler
+        self._aborted.extend(scheduler.expire(time.monotonic()))
+        sched = scheduler.schedule()
+        self._aborted.extend(scheduler.take_shed())
+        start = time.monotonic()
         result = self.runner.execute(sched) if not sched.is_empty else RunnerOutput()
-        finished = self.scheduler.update_after_step(sched, result.sampled)
+        now = time.monotonic()
+        scheduler.prefill_bound.observe(sched.num_scheduled_tokens, now - start)
+        finished = scheduler.update_after_step(sched, result.sampled)
+        self.admission.drain_rate.observe(now, scheduler.take_num_admitted(), len(scheduler.waiting))
         return self._make_outputs(sched, result, finished)
 
     def _make_outputs(
@@ -250,8 +291,9 @@ class EngineCore:
                 EngineCoreOutput(
                     request_id=request.request_id,
                     new_token_ids=[],
-                    finish_reason=FinishReason.ABORT,
+                    finish_reason=request.finish_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    error=request.error,
                 )
             )
         done = {r.request_id for r in finished} | {r.request_id for r in self._aborted}

@@ -27,12 +27,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from engine_service.admission import RequestRejected
 from engine_service.core import EngineCore
 from tandem.protocol.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    ErrorCode,
     FinishReason,
+    RequestError,
     UtilityOutput,
 )
 from tandem.protocol.sampling_params import InvalidRequestError
@@ -152,28 +155,29 @@ class EngineCoreLoop:
     def _apply(self, core: EngineCore, kind: InputType, payload: Any) -> None:
         if kind is InputType.ADD:
             try:
-                core.add_request(payload)
+                core.admit_request(payload)
             except InvalidRequestError as exc:
                 # Services validate before enqueueing; this is the last line of defence.
                 logger.warning("rejected request %s: %s", payload.request_id, exc)
-                self.outputs.put(
-                    EngineCoreOutputs(
-                        engine_index=core.engine_index,
-                        outputs=[
-                            EngineCoreOutput(
-                                payload.request_id, [], finish_reason=FinishReason.ERROR,
-                                stop_reason=str(exc),
-                            )
-                        ],
-                        finished_requests={payload.request_id},
-                    )
-                )
+                self._reject(core, payload, RequestError(ErrorCode.INVALID_ARGUMENT, str(exc)))
+            except RequestRejected as exc:
+                self._reject(core, payload, exc.error)
         elif kind is InputType.ABORT:
             core.abort_requests(payload)
         elif kind is InputType.UTILITY:
             self.outputs.put(
                 EngineCoreOutputs(engine_index=core.engine_index, utility_output=self._call(core, payload))
             )
+
+    def _reject(self, core: EngineCore, request: EngineCoreRequest, error: RequestError) -> None:
+        """The request ends at arrival: one ERROR output carrying ``error``."""
+        rid = request.request_id
+        out = EngineCoreOutput(
+            rid, [], finish_reason=FinishReason.ERROR, stop_reason=error.message, error=error
+        )
+        self.outputs.put(
+            EngineCoreOutputs(engine_index=core.engine_index, outputs=[out], finished_requests={rid})
+        )
 
     @staticmethod
     def _call(core: EngineCore, call: UtilityCall) -> UtilityOutput:

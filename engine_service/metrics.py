@@ -18,7 +18,7 @@ from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from tandem.protocol.outputs import EngineCoreOutputs, SchedulerStats
+from tandem.protocol.outputs import EngineCoreOutputs, ErrorCode, SchedulerStats
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +105,18 @@ class EngineMetrics:
             LONG_LATENCY_BUCKETS,
         )
         self.hit_rate = HitRateWindow()
+        self.deadline_exceeded = counter(
+            "tandem:request_deadline_exceeded_total",
+            "Requests ended with DEADLINE_EXCEEDED (dropped while waiting, aborted while running, "
+            "or already expired at arrival).",
+        )
+        self.rejected = counter(
+            "tandem:request_rejected_total",
+            "Requests refused at arrival with RESOURCE_EXHAUSTED (waiting queue full).",
+        )
 
     def record(self, outs: EngineCoreOutputs) -> None:
+        self._record_errors(outs)
         stats = outs.scheduler_stats
         if stats is not None:
             self.running.set(stats.num_running_reqs)
@@ -132,6 +142,15 @@ class EngineMetrics:
             ):
                 if value is not None:
                     histogram.observe(value)
+
+    def _record_errors(self, outs: EngineCoreOutputs) -> None:
+        for out in outs.outputs:
+            if out.error is None:
+                continue
+            if out.error.code == ErrorCode.DEADLINE_EXCEEDED:
+                self.deadline_exceeded.inc()
+            elif out.error.code == ErrorCode.RESOURCE_EXHAUSTED:
+                self.rejected.inc()
 
 
 class StatsLogger:

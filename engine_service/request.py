@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from tandem.protocol.outputs import EngineCoreRequest, FinishReason
+from tandem.protocol.outputs import EngineCoreRequest, FinishReason, RequestError
 from tandem.protocol.sampling_params import SamplingParams
 
 
@@ -115,6 +115,7 @@ class Request:
         client_index: int = 0,
         trace_headers: dict[str, str] | None = None,
         received_time: float | None = None,
+        timeout_s: float | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -127,6 +128,8 @@ class Request:
         self.trace_headers = trace_headers
         # Engine-side timestamps; arrival is when the engine service received it.
         self.times = RequestTimes(received_time)
+        # time.monotonic() after which the client no longer waits (arrival + timeout_s).
+        self.deadline: float | None = None if timeout_s is None else self.times.arrival + timeout_s
 
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
@@ -137,6 +140,7 @@ class Request:
         self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None
+        self.error: RequestError | None = None  # with FinishReason.ERROR: the status to report
         # Chained hashes of the request's full blocks, extended as tokens arrive.
         self.block_hashes: list[int] = []
         self.generator: torch.Generator | None = None
@@ -161,6 +165,7 @@ class Request:
             client_index=req.client_index,
             trace_headers=req.trace_headers,
             received_time=req.received_time,
+            timeout_s=req.timeout_s,
         )
 
     @property

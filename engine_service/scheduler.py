@@ -5,12 +5,15 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
+from engine_service.admission import PrefillBound
 from engine_service.kv_cache.manager import KVCacheManager
 from engine_service.request import Request, RequestStatus
-from tandem.protocol.outputs import FinishReason, SchedulerStats
+from engine_service.waiting_queue import WaitingQueue
+from tandem.protocol.outputs import ErrorCode, FinishReason, RequestError, SchedulerStats
+
+__all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput", "WaitingQueue"]
 
 
 @dataclass
@@ -35,44 +38,6 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-class WaitingQueue:
-    """Requests not running: FCFS order, or (priority, arrival) order."""
-
-    def __init__(self, policy: str) -> None:
-        self.policy = policy
-        self._fifo: deque[Request] = deque()
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._counter = itertools.count()
-
-    def add(self, request: Request, front: bool = False) -> None:
-        if self.policy == "priority":
-            key = (request.priority, request.arrival_time, next(self._counter), request)
-            heapq.heappush(self._heap, key)
-        elif front:
-            self._fifo.appendleft(request)
-        else:
-            self._fifo.append(request)
-
-    def peek(self) -> Request:
-        return self._heap[0][3] if self.policy == "priority" else self._fifo[0]
-
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap)[3] if self.policy == "priority" else self._fifo.popleft()
-
-    def remove(self, request: Request) -> None:
-        if self.policy == "priority":
-            self._heap = [e for e in self._heap if e[3] is not request]
-            heapq.heapify(self._heap)
-        else:
-            self._fifo.remove(request)
-
-    def __len__(self) -> int:
-        return len(self._heap) if self.policy == "priority" else len(self._fifo)
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        return iter([e[3] for e in self._heap] if self.policy == "priority" else self._fifo)
-
-
 class Scheduler:
     def __init__(
         self,
@@ -93,6 +58,14 @@ class Scheduler:
         self.waiting = WaitingQueue(policy)
         self.running: list[Request] = []
         self._num_preemptions = 0
+        self._num_admitted = 0  # waiting -> running moves since take_num_admitted()
+        # (deadline, seq, request) of every request with a deadline; finished ones are
+        # dropped lazily when they reach the top.
+        self._deadlines: list[tuple[float, int, Request]] = []
+        self._deadline_seq = itertools.count()
+        # Fed by the core with each step's tokens and time; bounds prefill times below.
+        self.prefill_bound = PrefillBound(max_num_batched_tokens)
+        self._shed: list[Request] = []  # dropped before prefill this step (deadline)
         # Per-step token counts for IterationStats (taken and reset by the core).
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
@@ -107,6 +80,10 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in the engine")
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        if request.deadline is not None:
+            heapq.heappush(
+                self._deadlines, (request.deadline, next(self._deadline_seq), request)
+            )
 
     def finish_requests(self, request_ids: list[str], reason: FinishReason) -> list[Request]:
         """End requests in any state (abort) and free their blocks; unknown ids are ignored."""
@@ -125,18 +102,78 @@ class Scheduler:
         return done
 
     def _finish(
-        self, request: Request, reason: FinishReason, stop_reason: int | None = None, *, now: float
+        self,
+        request: Request,
+        reason: FinishReason,
+        stop_reason: int | None = None,
+        *,
+        now: float,
+        error: RequestError | None = None,
     ) -> None:
         request.times.finished = now
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
+        request.error = error
         self.kv.free(request)
         del self.requests[request.request_id]
 
     @property
     def num_unfinished(self) -> int:
         return len(self.requests)
+
+    # ---- deadlines -------------------------------------------------------------
+
+    def expire(self, now: float) -> list[Request]:
+        """End every request whose deadline is at or before ``now``, waiting or running,
+        with FinishReason.ERROR and DEADLINE_EXCEEDED; their blocks are free on return."""
+        expired = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, request = heapq.heappop(self._deadlines)
+            if request.is_finished:
+                continue
+            where = "running" if request.status == RequestStatus.RUNNING else "waiting"
+            if where == "running":
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            error = RequestError(
+                ErrorCode.DEADLINE_EXCEEDED,
+                f"the request's deadline passed while it was {where} "
+                f"({request.num_output_tokens} tokens generated)",
+            )
+            self._finish(request, FinishReason.ERROR, now=now, error=error)
+            expired.append(request)
+        return expired
+
+    def take_shed(self) -> list[Request]:
+        """Requests ended by the last schedule() because their deadline could not be met."""
+        shed, self._shed = self._shed, []
+        return shed
+
+    def _shed_if_late(self, request: Request, num_tokens: int) -> bool:
+        """End ``request`` (popped from the queue head) if even the fastest prefill of its
+        ``num_tokens`` uncomputed tokens would end after its deadline."""
+        if request.deadline is None:
+            return False
+        left = request.deadline - self._step_start
+        need = self.prefill_bound.seconds(num_tokens)
+        if left >= need:
+            return False
+        self.waiting.pop()
+        error = RequestError(
+            ErrorCode.DEADLINE_EXCEEDED,
+            f"shed before prefill: {max(left, 0.0) * 1000:.0f} ms left to the deadline, "
+            f"a prefill of {num_tokens} tokens takes at least {need * 1000:.0f} ms here",
+        )
+        self._finish(request, FinishReason.ERROR, now=self._step_start, error=error)
+        self._shed.append(request)
+        return True
+
+    def take_num_admitted(self) -> int:
+        """Requests moved from waiting to running since the last call."""
+        n, self._num_admitted = self._num_admitted, 0
+        return n
 
     # ---- scheduling ----------------------------------------------------------
 
@@ -191,12 +228,15 @@ class Scheduler:
             if request.num_computed_tokens == 0:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             n = request.num_tokens - request.num_computed_tokens - num_hit_tokens
+            if self._shed_if_late(request, n):
+                continue
             if not self.enable_chunked_prefill and n > budget:
                 break
             n = min(n, budget)
             if not self.kv.allocate_slots(request, n, hits):
                 break
             self.waiting.pop()
+            self._num_admitted += 1
             request.num_computed_tokens += num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens

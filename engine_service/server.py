@@ -39,7 +39,13 @@ from tandem.grpc_guard import MalformedRequestGuard
 from tandem.grpc_server import BindError, MessageLimits, ServiceServer
 from tandem.protocol import convert
 from tandem.protocol.fingerprint import tokenizer_fingerprint
-from tandem.protocol.outputs import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from tandem.protocol.outputs import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    ErrorCode,
+    FinishReason,
+    RequestError,
+)
 from tandem.protocol.sampling_params import InvalidRequestError, SamplingParams
 from tandem.security import (
     SecurityConfigError,
@@ -279,7 +285,10 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
                 raise InvalidRequestError("request_id", request.request_id, "already running")
         except (InvalidRequestError, convert.ConversionError) as exc:
             rid = msg.request_id
-            err = EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR, stop_reason=str(exc))
+            err = EngineCoreOutput(
+                rid, [], finish_reason=FinishReason.ERROR, stop_reason=str(exc),
+                error=RequestError(ErrorCode.INVALID_ARGUMENT, str(exc)),
+            )
             client.outbox.put_nowait(
                 convert.engine_core_outputs_to_proto(
                     EngineCoreOutputs(

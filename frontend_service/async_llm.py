@@ -21,11 +21,12 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
+from frontend_service.admission import PendingLimit, RequestFailedError, deadline_exceeded
 from frontend_service.engine_client import (
     EngineConnection,
     EngineGroup,
@@ -36,7 +37,14 @@ from frontend_service.metrics import FrontendMetrics, SequenceTimes
 from frontend_service.output_processor import OutputProcessor
 from frontend_service.outputs import RequestOutput, merge_request_outputs
 from tandem import telemetry
-from tandem.protocol.outputs import EngineCoreOutputs
+from tandem.protocol.outputs import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    ErrorCode,
+    FinishReason,
+    RequestError,
+)
 from tandem.protocol.sampling_params import RequestOutputKind, SamplingParams
 from tandem.telemetry import Tracing
 
@@ -58,6 +66,10 @@ class _Stream:
     engine: EngineConnection
     engine_request_ids: list[str]
     finished: bool = False
+    requests: list[EngineCoreRequest] = field(default_factory=list)  # to place again
+    deadline: float | None = None  # time.monotonic() when the caller stops waiting
+    tried: list[EngineConnection] = field(default_factory=list)  # engines it was sent to
+    got_output: bool = False  # an engine produced something for it
 
 
 class AsyncLLM:
@@ -71,7 +83,9 @@ class AsyncLLM:
         model_name: str = "",
         metrics: FrontendMetrics | None = None,
         tracing: Tracing | None = None,
+        admission: PendingLimit | None = None,
     ) -> None:
+        """``admission``: the bound on requests in progress (None: unbounded)."""
         self.tokenizer = tokenizer
         self.engines = engines
         self.input_processor = input_processor
@@ -86,23 +100,34 @@ class AsyncLLM:
         # Engine request id -> token arrival times; kept only while metrics or tracing is on.
         self._observing = metrics is not None or tracing is not None
         self._seq_times: dict[str, SequenceTimes] = {}
+        self.admission = admission
+        self._owner: dict[str, str] = {}  # engine request id -> internal request id
+        # Engine request ids of streams placed again on another engine: outputs for them
+        # from any other engine are stale (aborted there) and dropped.
+        self._moved: set[str] = set()
 
     # ---- engine callbacks (run on the event loop) ----------------------------------
 
     def on_engine_outputs(self, engine: EngineConnection, outs: EngineCoreOutputs) -> None:
-        if not outs.outputs:
+        outputs = outs.outputs
+        if not outputs:
             return
+        if self._moved or any(o.finish_reason == FinishReason.ERROR for o in outputs):
+            outputs = self._route_failures(engine, outputs)
+            if not outputs:
+                return
         if self._observing:
             now = time.monotonic()
-            for out in outs.outputs:
+            for out in outputs:
                 if out.new_token_ids:
                     times = self._seq_times.get(out.request_id)
                     if times is not None:
                         times.on_tokens(now, len(out.new_token_ids), self.metrics)
-        processed = self.output_processor.process_outputs(outs.outputs)
+        processed = self.output_processor.process_outputs(outputs)
         for internal_id, request_output in processed.request_outputs:
             stream = self.streams.get(internal_id)
             if stream is not None:
+                stream.got_output = True
                 stream.finished = request_output.finished
                 stream.queue.put_nowait(request_output)
         if processed.reqs_to_abort:
@@ -114,6 +139,75 @@ class AsyncLLM:
         self.output_processor.abort_requests(dead)
         for rid in dead:
             self.streams[rid].queue.put_nowait(EngineUnavailableError(reason))
+
+    # ---- failed requests: another engine, or the caller gets the status --------------
+
+    def _route_failures(
+        self, engine: EngineConnection, outputs: list[EngineCoreOutput]
+    ) -> list[EngineCoreOutput]:
+        """Handle the ERROR outputs; return the rest, minus stale outputs of moved requests."""
+        kept = []
+        for out in outputs:
+            if out.finish_reason == FinishReason.ERROR:
+                self._on_request_failed(engine, out)
+            elif out.request_id not in self._moved or self._runs_on(out.request_id, engine):
+                kept.append(out)
+        return kept
+
+    def _runs_on(self, engine_request_id: str, engine: EngineConnection) -> bool:
+        stream = self.streams.get(self._owner.get(engine_request_id, ""))
+        return stream is not None and stream.engine is engine
+
+    def _on_request_failed(self, engine: EngineConnection, out: EngineCoreOutput) -> None:
+        """An engine ended one of a stream's requests with an error.
+
+        RESOURCE_EXHAUSTED before any output: the stream moves to the least-loaded live
+        engine it has not tried yet (each engine at most once). Anything else, or no
+        engine left: the caller gets the engine's status.
+        """
+        internal_id = self._owner.get(out.request_id, "")
+        stream = self.streams.get(internal_id)
+        if stream is None or stream.finished or stream.engine is not engine:
+            return
+        error = out.error or RequestError(
+            ErrorCode.INTERNAL, f"the engine failed this request: {out.stop_reason or 'no reason given'}"
+        )
+        if error.code == ErrorCode.RESOURCE_EXHAUSTED and not stream.got_output:
+            target = self._next_engine(stream)
+            if target is not None:
+                engine.abort([rid for rid in stream.engine_request_ids if rid != out.request_id])
+                stream.engine = target
+                self._moved.update(stream.engine_request_ids)
+                try:
+                    self._send(stream, target)
+                except (RequestFailedError, EngineUnavailableError) as exc:
+                    self._fail(internal_id, stream, exc)
+                return
+        self._fail(internal_id, stream, RequestFailedError(error))
+
+    def _next_engine(self, stream: _Stream) -> EngineConnection | None:
+        try:
+            return self.engines.pick(exclude=stream.tried)
+        except EngineUnavailableError:
+            return None
+
+    def _send(self, stream: _Stream, engine: EngineConnection) -> None:
+        """Place the stream's engine requests on ``engine``, with the time left."""
+        left = None
+        if stream.deadline is not None:
+            left = stream.deadline - time.monotonic()
+            if left <= 0:
+                raise deadline_exceeded("the deadline passed before the request reached an engine")
+        stream.tried.append(engine)
+        for req in stream.requests:
+            req.timeout_s = left
+            engine.add_request(req)
+
+    def _fail(self, internal_id: str, stream: _Stream, exc: BaseException) -> None:
+        result = self.output_processor.abort_requests([internal_id])
+        stream.engine.abort(result.reqs_to_abort or stream.engine_request_ids)
+        stream.finished = True
+        stream.queue.put_nowait(exc)
 
     # ---- the API ------------------------------------------------------------------
 
@@ -130,8 +224,15 @@ class AsyncLLM:
         trace_headers: dict[str, str] | None = None,
         add_special_tokens: bool | None = None,
         add_generation_prompt: bool | None = None,
+        timeout_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield outputs of one request; its ``request_id`` is the caller's id.
+
+        ``timeout_s``: seconds until the caller stops waiting (a gRPC deadline). The
+        engine drops or aborts the request once they have passed, and this raises
+        ``RequestFailedError`` with DEADLINE_EXCEEDED. Over the frontend's bound on
+        requests in progress, or when every engine refused it, it raises one with
+        RESOURCE_EXHAUSTED and a retry hint.
 
         ``add_special_tokens`` / ``add_generation_prompt``: see ``InputProcessor.process``.
         ``trace_headers``: the caller's W3C ``traceparent``/``tracestate``. With tracing
@@ -140,6 +241,7 @@ class AsyncLLM:
         """
         arrival = time.monotonic()
         span = None
+        failure: BaseException | None = None
         if self.tracing is not None:
             span = self.tracing.tracer.start_span(
                 GENERATE_SPAN_NAME,
@@ -154,7 +256,11 @@ class AsyncLLM:
             )
             trace_headers = self.tracing.inject(span)
         processed: ProcessedRequest | None = None
+        admitted = False
         try:
+            if self.admission is not None:
+                self.admission.acquire()
+                admitted = True
             await self._resumed.wait()
             user_id = request_id or uuid.uuid4().hex
             # Engine-side ids stay unique even if two clients pick the same request id.
@@ -176,12 +282,17 @@ class AsyncLLM:
                 for req in processed.engine_requests:
                     self._seq_times[req.request_id] = SequenceTimes(arrival, len(req.prompt_token_ids))
             engine = self.engines.pick()
-            stream = _Stream(asyncio.Queue(), engine, [r.request_id for r in processed.engine_requests])
+            stream = _Stream(
+                asyncio.Queue(), engine, [r.request_id for r in processed.engine_requests],
+                requests=processed.engine_requests,
+                deadline=None if timeout_s is None else arrival + timeout_s,
+            )
             self.output_processor.add_processed(processed)
             self.streams[internal_id] = stream
+            for rid in stream.engine_request_ids:
+                self._owner[rid] = internal_id
             try:
-                for req in processed.engine_requests:
-                    engine.add_request(req)
+                self._send(stream, engine)
                 delta = processed.sampling_params.output_kind == RequestOutputKind.DELTA
                 pending: RequestOutput | BaseException | None = None
                 while True:
@@ -202,6 +313,9 @@ class AsyncLLM:
                         return
             finally:
                 self.streams.pop(internal_id, None)
+                for rid in stream.engine_request_ids:
+                    self._owner.pop(rid, None)
+                    self._moved.discard(rid)
                 if not stream.finished:
                     # Cancelled, disconnected, failed or closed early: free the engine's blocks.
                     result = self.output_processor.abort_requests([internal_id])
@@ -209,18 +323,27 @@ class AsyncLLM:
         except (GeneratorExit, asyncio.CancelledError):
             raise  # the caller went away: finish reason "abort", not an error
         except BaseException as exc:
+            failure = exc
             if span is not None:
                 span.record_exception(exc)
                 span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
             raise
         finally:
+            if admitted:
+                self.admission.release()  # type: ignore[union-attr]
             if self._observing:
-                self._finish_observing(processed, arrival, span)
+                self._finish_observing(processed, arrival, span, failure)
 
     def _finish_observing(
-        self, processed: ProcessedRequest | None, arrival: float, span: Any
+        self,
+        processed: ProcessedRequest | None,
+        arrival: float,
+        span: Any,
+        failure: BaseException | None = None,
     ) -> None:
         """Count the finished request and end its span (a rejected request only ends it)."""
+        if self.metrics is not None and isinstance(failure, RequestFailedError):
+            self.metrics.record_failure(failure.code.name)
         if processed is None:
             if span is not None:
                 span.end()
@@ -233,6 +356,8 @@ class AsyncLLM:
                 span.end()
             return
         reasons = [c.finish_reason or "abort" for c in children]
+        if isinstance(failure, RequestFailedError):
+            reasons = [failure_reason(failure.code)] * len(children)
         if self.metrics is not None:
             self.metrics.record_finished(reasons, e2e)
         if span is None:
@@ -293,3 +418,8 @@ class AsyncLLM:
     @property
     def num_unfinished(self) -> int:
         return sum(1 for s in self.streams.values() if not s.finished)
+
+
+def failure_reason(code: ErrorCode) -> str:
+    """The ``finished_reason`` metric label of a request that failed with ``code``."""
+    return "deadline" if code == ErrorCode.DEADLINE_EXCEEDED else "error"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import grpc
@@ -250,9 +250,10 @@ class EngineGroup:
     def any_alive(self) -> bool:
         return any(e.alive for e in self.engines)
 
-    def pick(self) -> EngineConnection:
-        """The live engine with the lowest load score (ties: lowest index)."""
-        live = [e for e in self.engines if e.alive]
+    def pick(self, exclude: Collection[EngineConnection] = ()) -> EngineConnection:
+        """The live engine with the lowest load score (ties: lowest index), leaving out
+        ``exclude`` (engines that already refused the request)."""
+        live = [e for e in self.engines if e.alive and e not in exclude]
         if not live:
             reasons = "; ".join(
                 e.dead_reason or f"{e.address}: not connected" for e in self.engines

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
+FINISH_REASONS = ("stop", "length", "abort", "error", "deadline")
 
 TTFT_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
@@ -66,6 +66,20 @@ class FrontendMetrics:
             registry=registry,
             buckets=E2E_BUCKETS,
         )
+        self.request_failures = Counter(
+            "tandem:request_failures",
+            "Requests that ended with an error status, by gRPC code (DEADLINE_EXCEEDED: the "
+            "deadline passed; RESOURCE_EXHAUSTED: refused by the frontend's bound or by every "
+            "engine's queue; INVALID_ARGUMENT, INTERNAL: refused or failed by an engine).",
+            ["code"],
+            registry=registry,
+        )
+        self.deadline_exceeded = Counter(
+            "tandem:request_deadline_exceeded",
+            "Requests that ended with DEADLINE_EXCEEDED because their deadline passed in an engine "
+            "or before one was reached.",
+            registry=registry,
+        )
         self.engine_healthy = Gauge(
             "tandem:engine_healthy",
             "1 while the frontend's stream to the engine is up, else 0.",
@@ -86,6 +100,13 @@ class FrontendMetrics:
                 child = self.request_success.labels(finished_reason=reason)
             child.inc()
         self.e2e.observe(e2e_seconds)
+
+
+    def record_failure(self, code: str) -> None:
+        """One request ended with status ``code`` (a gRPC status name)."""
+        self.request_failures.labels(code=code).inc()
+        if code == "DEADLINE_EXCEEDED":
+            self.deadline_exceeded.inc()
 
 
 class SequenceTimes:

@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from frontend_service import api
+from frontend_service.admission import DEFAULT_MAX_PENDING_REQUESTS, PendingLimit
 from frontend_service.async_llm import AsyncLLM, PauseMode
 from frontend_service.engine_client import (
     EngineConnection,
@@ -68,6 +69,9 @@ class FrontendConfig:
     metrics_port: int = 0  # Prometheus /metrics on host:metrics_port; 0: off
     security: ServerSecurity = field(default_factory=ServerSecurity)  # public TLS, admin token and port
     engine_channel: EngineChannelSecurity = field(default_factory=EngineChannelSecurity)  # TLS, token to engines
+    # Requests admitted and not finished beyond which Generate answers RESOURCE_EXHAUSTED
+    # without contacting an engine; 0: unbounded.
+    max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS
 
 
 class GenerationServicer(frontend_pb2_grpc.GenerationServicer):
@@ -97,7 +101,13 @@ class GenerationServicer(frontend_pb2_grpc.GenerationServicer):
             metadata = dict(context.invocation_metadata() or ())
             trace = {k: metadata[k] for k in TRACE_METADATA_KEYS if k in metadata}
             first = True
-            async for out in self.llm.generate(args.sampling_params, trace_headers=trace or None, **args.kwargs):
+            stream = self.llm.generate(
+                args.sampling_params,
+                trace_headers=trace or None,
+                timeout_s=context.time_remaining(),  # None without a client deadline
+                **args.kwargs,
+            )
+            async for out in stream:
                 yield api.response_to_proto(out, args.sampling_params, first)
                 first = False
                 if out.finished and any(c.finish_reason == "error" for c in out.outputs):
@@ -280,6 +290,7 @@ async def _serve_frontend(
     llm = AsyncLLM(
         tokenizer, group, processor, config.client_index,
         model_name=model_name, metrics=metrics, tracing=tracing,
+        admission=PendingLimit(config.max_pending_requests),
     )
     holder["llm"] = llm
     servicer.attach(llm, model_name, info)
@@ -327,6 +338,13 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                    help="This frontend's index, told to engines (env TANDEM_CLIENT_INDEX).")
     p.add_argument("--connect-timeout", type=float, default=float(env("TANDEM_CONNECT_TIMEOUT", "60")),
                    help="Seconds to wait for every engine at start-up (env TANDEM_CONNECT_TIMEOUT).")
+    p.add_argument(
+        "--max-pending-requests", type=int,
+        default=int(env("TANDEM_MAX_PENDING_REQUESTS", str(DEFAULT_MAX_PENDING_REQUESTS))),
+        help="Requests in progress (admitted, not finished) beyond which Generate answers "
+        "RESOURCE_EXHAUSTED with a retry hint, without contacting an engine; 0: unbounded "
+        f"(env TANDEM_MAX_PENDING_REQUESTS, default {DEFAULT_MAX_PENDING_REQUESTS}).",
+    )
     telemetry.add_metrics_cli(p, default_port=8000)
     add_server_security_cli(p, engine=False)
     add_engine_channel_cli(p)
@@ -352,6 +370,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         metrics_port=args.metrics_port,
         security=server_security_from_args(args, engine=False),
         engine_channel=engine_channel_from_args(args),
+        max_pending_requests=args.max_pending_requests,
     )
 
 
