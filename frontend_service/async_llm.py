@@ -29,6 +29,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from frontend_service.engine_client import (
     EngineConnection,
     EngineGroup,
+    EngineRequestError,
     EngineUnavailableError,
 )
 from frontend_service.input_processor import InputProcessor, ProcessedRequest
@@ -52,10 +53,9 @@ class PauseMode(enum.Enum):
 
 @dataclass
 class _Stream:
-    """Where one user request's outputs go, and which engine runs it."""
+    """Where one user request's outputs go (EngineGroup knows where it runs)."""
 
     queue: asyncio.Queue[RequestOutput | BaseException]
-    engine: EngineConnection
     engine_request_ids: list[str]
     finished: bool = False
 
@@ -92,6 +92,7 @@ class AsyncLLM:
     def on_engine_outputs(self, engine: EngineConnection, outs: EngineCoreOutputs) -> None:
         if not outs.outputs:
             return
+        self._fail_errored(outs)
         if self._observing:
             now = time.monotonic()
             for out in outs.outputs:
@@ -106,11 +107,25 @@ class AsyncLLM:
                 stream.finished = request_output.finished
                 stream.queue.put_nowait(request_output)
         if processed.reqs_to_abort:
-            engine.abort(processed.reqs_to_abort)  # stop strings matched
+            self.engines.abort(processed.reqs_to_abort)  # stop strings matched
+
+    def _fail_errored(self, outs: EngineCoreOutputs) -> None:
+        """A request the engine ended with a status fails with it (before its final
+        output is queued, so the caller gets the status, not a normal-looking finish)."""
+        for out in outs.outputs:
+            if out.error is None:
+                continue
+            for stream in self.streams.values():
+                if not stream.finished and out.request_id in stream.engine_request_ids:
+                    stream.queue.put_nowait(EngineRequestError(out.error))
 
     def on_engine_dead(self, engine: EngineConnection, reason: str) -> None:
         """Fail every request on the dead engine with UNAVAILABLE; others keep going."""
-        dead = [rid for rid, s in self.streams.items() if s.engine is engine and not s.finished]
+        lost = self.engines.requests_on(engine)
+        dead = [
+            rid for rid, s in self.streams.items()
+            if not s.finished and not lost.isdisjoint(s.engine_request_ids)
+        ]
         self.output_processor.abort_requests(dead)
         for rid in dead:
             self.streams[rid].queue.put_nowait(EngineUnavailableError(reason))
@@ -175,13 +190,12 @@ class AsyncLLM:
             if self._observing:
                 for req in processed.engine_requests:
                     self._seq_times[req.request_id] = SequenceTimes(arrival, len(req.prompt_token_ids))
-            engine = self.engines.pick()
-            stream = _Stream(asyncio.Queue(), engine, [r.request_id for r in processed.engine_requests])
+            # Sent before anything is recorded: outputs arrive only once we await.
+            self.engines.place(processed.engine_requests)
+            stream = _Stream(asyncio.Queue(), [r.request_id for r in processed.engine_requests])
             self.output_processor.add_processed(processed)
             self.streams[internal_id] = stream
             try:
-                for req in processed.engine_requests:
-                    engine.add_request(req)
                 delta = processed.sampling_params.output_kind == RequestOutputKind.DELTA
                 pending: RequestOutput | BaseException | None = None
                 while True:
@@ -205,7 +219,7 @@ class AsyncLLM:
                 if not stream.finished:
                     # Cancelled, disconnected, failed or closed early: free the engine's blocks.
                     result = self.output_processor.abort_requests([internal_id])
-                    engine.abort(result.reqs_to_abort or stream.engine_request_ids)
+                    self.engines.abort(result.reqs_to_abort or stream.engine_request_ids)
         except (GeneratorExit, asyncio.CancelledError):
             raise  # the caller went away: finish reason "abort", not an error
         except BaseException as exc:
@@ -267,7 +281,7 @@ class AsyncLLM:
                 continue
             found += 1
             result = self.output_processor.abort_requests([internal_id])
-            stream.engine.abort(result.reqs_to_abort)
+            self.engines.abort(result.reqs_to_abort)
             stream.finished = True
             for _, request_output in result.request_outputs:
                 stream.queue.put_nowait(request_output)
@@ -293,3 +307,27 @@ class AsyncLLM:
     @property
     def num_unfinished(self) -> int:
         return sum(1 for s in self.streams.values() if not s.finished)
+
+    # ---- graceful drain ----------------------------------------------------------------
+
+    async def drain(self, timeout: float, poll_interval: float = 0.05) -> int:
+        """Wait up to ``timeout`` seconds for every request to finish, then fail what is
+        left with UNAVAILABLE (its engine requests aborted). Returns how many failed.
+
+        The caller stops admitting new requests first (the servicer's draining gate).
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.num_unfinished and loop.time() < deadline:
+            await asyncio.sleep(poll_interval)
+        return self.fail_all(f"the frontend's drain timeout ({timeout:g}s) passed: aborted")
+
+    def fail_all(self, reason: str) -> int:
+        """Fail every unfinished request with UNAVAILABLE ``reason``; returns how many."""
+        left = [(rid, s) for rid, s in self.streams.items() if not s.finished]
+        for internal_id, stream in left:
+            result = self.output_processor.abort_requests([internal_id])
+            self.engines.abort(result.reqs_to_abort or stream.engine_request_ids)
+            stream.finished = True
+            stream.queue.put_nowait(EngineUnavailableError(reason))
+        return len(left)

@@ -3,21 +3,30 @@
 Each ``EngineConnection`` keeps one long-lived ``EngineCore.Stream`` to an engine
 service: requests and aborts go up as ``EngineCoreInput`` messages, and one
 ``EngineCoreOutputs`` per engine step comes down. ``EngineGroup`` places each new
-request on the least-loaded live engine (vLLM's score: waiting x 4 + running) and
-keeps it there for its whole life.
+request on the least-loaded live engine that is not draining (vLLM's score:
+waiting x 4 + running) and keeps it there for its whole life, with one exception: a
+request an engine refused with UNAVAILABLE before producing a token (it started
+draining while the add was on the wire) moves to another engine, at most once per
+engine, without its caller noticing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import grpc
 
 from tandem.protocol import convert
-from tandem.protocol.outputs import EngineCoreOutputs, EngineCoreRequest
+from tandem.protocol.outputs import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    ErrorCode,
+    RequestError,
+)
 from tandem.v1 import engine_pb2, engine_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -34,6 +43,14 @@ CHANNEL_OPTIONS = [
 
 class EngineUnavailableError(RuntimeError):
     """No engine can take or finish the request. Maps to gRPC UNAVAILABLE."""
+
+
+class EngineRequestError(RuntimeError):
+    """An engine ended a request with a status (``RequestError``); errors.py maps its code."""
+
+    def __init__(self, error: RequestError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
 class TokenizerMismatchError(RuntimeError):
@@ -78,6 +95,9 @@ class EngineConnection:
         self.info: engine_pb2.GetEngineInfoResponse | None = None
         self.load = EngineLoad()
         self.alive = False
+        # The engine said it is shutting down gracefully: it finishes what it has and
+        # takes nothing new (EngineGroup.pick skips it). Cleared when it comes back.
+        self.draining = False
         self.dead_reason = ""
         self._send: asyncio.Queue[engine_pb2.EngineCoreInput | None] = asyncio.Queue()
         self._reader: asyncio.Task[None] | None = None
@@ -97,6 +117,7 @@ class EngineConnection:
                 self.info = await self.stub.GetEngineInfo(
                     engine_pb2.GetEngineInfoRequest(), timeout=max(left, 0.001), wait_for_ready=True
                 )
+                self.draining = self.info.draining
                 return self.info
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE and left > 0.5:
@@ -134,6 +155,9 @@ class EngineConnection:
                     self.load.running = outs.scheduler_stats.num_running_reqs
                     self.load.waiting = outs.scheduler_stats.num_waiting_reqs
                     self.load.in_flight_adds = 0
+                if outs.draining and not self.draining:
+                    logger.info("engine %d at %s is draining: placing no new requests there", self.index, self.address)
+                    self.draining = True
                 self.on_outputs(self, outs)
         except grpc.aio.AioRpcError as exc:
             reason = f"{exc.code().name}: {exc.details()}"
@@ -147,8 +171,8 @@ class EngineConnection:
             return
         self.alive = False
         self.dead_reason = f"engine {self.index} at {self.address} is unavailable: {reason}"
-        # Our own shutdown is not an error; anything else is.
-        logger.log(logging.INFO if self._closing else logging.ERROR, self.dead_reason)
+        # Our own shutdown and a drained engine leaving are not errors; anything else is.
+        logger.log(logging.INFO if self._closing or self.draining else logging.ERROR, self.dead_reason)
         self._send.put_nowait(None)  # ends the old stream's request iterator
         self.on_dead(self, self.dead_reason)
         if not self._closing:
@@ -171,6 +195,7 @@ class EngineConnection:
                 logger.error("engine at %s came back with a different tokenizer; not using it", self.address)
                 continue
             self.info = info
+            self.draining = info.draining
             self.load = EngineLoad()
             self._send = asyncio.Queue()
             await self.open(self._fingerprint)
@@ -213,8 +238,9 @@ class EngineGroup:
     ) -> None:
         if not addresses:
             raise ValueError("at least one engine address is required")
+        self._placement = Placement(self, on_outputs, on_dead)
         self.engines = [
-            EngineConnection(addr, i, client_index, on_outputs, on_dead, on_alive)
+            EngineConnection(addr, i, client_index, self._placement.on_outputs, self._placement.on_dead, on_alive)
             for i, addr in enumerate(addresses)
         ]
 
@@ -245,15 +271,114 @@ class EngineGroup:
     def any_alive(self) -> bool:
         return any(e.alive for e in self.engines)
 
-    def pick(self) -> EngineConnection:
-        """The live engine with the lowest load score (ties: lowest index)."""
-        live = [e for e in self.engines if e.alive]
+    def pick(self, exclude: Collection[EngineConnection] = ()) -> EngineConnection:
+        """The live, non-draining engine with the lowest load score (ties: lowest index),
+        leaving out ``exclude``."""
+        live = [e for e in self.engines if e.alive and e not in exclude]
         if not live:
             reasons = "; ".join(
                 e.dead_reason or f"{e.address}: not connected" for e in self.engines
             )
             raise EngineUnavailableError(f"no engine is available ({reasons})")
-        return min(live, key=lambda e: (e.load.score, e.index))
+        ready = [e for e in live if not e.draining]
+        if not ready:
+            raise EngineUnavailableError("every available engine is draining")
+        return min(ready, key=lambda e: (e.load.score, e.index))
+
+    def place(self, requests: list[EngineCoreRequest]) -> EngineConnection:
+        """Send ``requests`` (the children of one user request) to one engine."""
+        return self._placement.place(requests)
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort engine requests wherever they run now."""
+        self._placement.abort(request_ids)
+
+    def requests_on(self, engine: EngineConnection) -> set[str]:
+        """Ids of the unfinished engine requests placed on ``engine``."""
+        return self._placement.requests_on(engine)
 
     async def close(self) -> None:
         await asyncio.gather(*(e.close() for e in self.engines), return_exceptions=True)
+
+
+class Placement:
+    """Where each unfinished engine request runs, and moving the refused ones.
+
+    Invariants: ``engine_of`` holds every request sent and not yet finished (or lost
+    with its engine); ``unstarted`` the subset that produced no token yet and was not
+    aborted, with the request itself to send again; ``refused_by`` the engines that
+    refused it. An output for a request it does not know passes through untouched.
+    """
+
+    def __init__(self, group: EngineGroup, on_outputs: OutputsHandler, on_dead: DeadHandler) -> None:
+        self.group = group
+        self._on_outputs = on_outputs
+        self._on_dead = on_dead
+        self.engine_of: dict[str, EngineConnection] = {}
+        self.unstarted: dict[str, EngineCoreRequest] = {}
+        self.refused_by: dict[str, set[EngineConnection]] = {}
+
+    def place(self, requests: list[EngineCoreRequest]) -> EngineConnection:
+        engine = self.group.pick()
+        for request in requests:
+            self._send(engine, request)
+        return engine
+
+    def _send(self, engine: EngineConnection, request: EngineCoreRequest) -> None:
+        engine.add_request(request)  # raises if it is not connected: nothing recorded
+        self.engine_of[request.request_id] = engine
+        self.unstarted[request.request_id] = request
+
+    def abort(self, request_ids: list[str]) -> None:
+        by_engine: dict[EngineConnection, list[str]] = {}
+        for rid in request_ids:
+            self.unstarted.pop(rid, None)  # an aborted request is never moved
+            engine = self.engine_of.get(rid)
+            if engine is not None:
+                by_engine.setdefault(engine, []).append(rid)
+        for engine, ids in by_engine.items():
+            engine.abort(ids)
+
+    def requests_on(self, engine: EngineConnection) -> set[str]:
+        return {rid for rid, e in self.engine_of.items() if e is engine}
+
+    def on_outputs(self, engine: EngineConnection, outs: EngineCoreOutputs) -> None:
+        kept: list[EngineCoreOutput] = []
+        for out in outs.outputs:
+            rid = out.request_id
+            if self._moved(engine, out):
+                continue
+            if out.new_token_ids:
+                self.unstarted.pop(rid, None)
+            if out.finished:
+                self._forget(rid)
+            kept.append(out)
+        outs.outputs = kept
+        self._on_outputs(engine, outs)
+
+    def _moved(self, engine: EngineConnection, out: EngineCoreOutput) -> bool:
+        """Send a request ``engine`` refused as UNAVAILABLE elsewhere; True if it moved."""
+        error = out.error
+        request = self.unstarted.get(out.request_id)
+        if request is None or error is None or error.code != ErrorCode.UNAVAILABLE or out.new_token_ids:
+            return False
+        refused = self.refused_by.setdefault(out.request_id, set())
+        refused.add(engine)
+        try:
+            target = self.group.pick(exclude=refused)
+        except EngineUnavailableError:
+            return False  # nowhere else: the caller gets the engine's UNAVAILABLE
+        logger.info("engine %d refused %s (%s); placing it on engine %d",
+                    engine.index, out.request_id, error.message, target.index)
+        self._send(target, request)
+        return True
+
+    def on_dead(self, engine: EngineConnection, reason: str) -> None:
+        self._on_dead(engine, reason)  # reads requests_on(engine) first
+        for rid in self.requests_on(engine):
+            self._forget(rid)
+
+    def _forget(self, rid: str) -> None:
+        self.engine_of.pop(rid, None)
+        self.unstarted.pop(rid, None)
+        self.refused_by.pop(rid, None)

@@ -7,7 +7,11 @@ import logging
 
 import grpc
 
-from frontend_service.engine_client import EngineUnavailableError, TokenizerMismatchError
+from frontend_service.engine_client import (
+    EngineRequestError,
+    EngineUnavailableError,
+    TokenizerMismatchError,
+)
 from tandem.protocol.convert import ConversionError, EngineDeadError
 from tandem.protocol.sampling_params import InvalidRequestError
 
@@ -16,6 +20,8 @@ logger = logging.getLogger(__name__)
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """Map an exception to (status code, message) for the client."""
+    if isinstance(exc, EngineRequestError):  # the engine chose the status itself
+        return grpc.StatusCode[exc.error.code.name], exc.error.message
     if isinstance(exc, InvalidRequestError | ConversionError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, EngineUnavailableError | EngineDeadError):

@@ -10,13 +10,12 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from frontend_service import api
@@ -31,8 +30,10 @@ from frontend_service.errors import abort_with
 from frontend_service.input_processor import InputProcessor
 from frontend_service.metrics import FrontendMetrics
 from tandem import telemetry
+from tandem.health import ServiceHealth
 from tandem.protocol.fingerprint import tokenizer_fingerprint
 from tandem.protocol.model_config import ModelConfig
+from tandem.signals import StopSignals
 from tandem.telemetry import Tracing
 from tandem.v1 import frontend_pb2, frontend_pb2_grpc
 
@@ -53,6 +54,9 @@ class FrontendConfig:
     client_index: int = 0  # tells engines which frontend a request came from
     connect_timeout: float = 60.0  # seconds to wait for every engine at start-up
     metrics_port: int = 0  # Prometheus /metrics on host:metrics_port; 0: off
+    # Seconds in-flight streams get to finish after SIGTERM/SIGINT; the rest then
+    # fail with UNAVAILABLE.
+    drain_timeout: float = 30.0
 
 
 class GenerationServicer(frontend_pb2_grpc.GenerationServicer):
@@ -63,6 +67,7 @@ class GenerationServicer(frontend_pb2_grpc.GenerationServicer):
         self.model_name = ""
         self.info: Any = None
         self.fingerprint = fingerprint
+        self.draining = False  # set on SIGTERM/SIGINT: new Generate calls are refused
 
     def attach(self, llm: AsyncLLM, model_name: str, info: Any) -> None:
         self.llm = llm
@@ -73,10 +78,15 @@ class GenerationServicer(frontend_pb2_grpc.GenerationServicer):
         if self.llm is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the frontend is still connecting to its engines")
 
+    async def _refuse_while_draining(self, context: grpc.aio.ServicerContext) -> None:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the frontend is draining")
+
     async def Generate(
         self, request: frontend_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[frontend_pb2.GenerateResponse]:
         await self._require_ready(context)
+        await self._refuse_while_draining(context)
         try:
             args = api.generate_args_from_proto(request)
             metadata = dict(context.invocation_metadata() or ())
@@ -216,8 +226,8 @@ async def _serve_frontend(
     bound = server.add_insecure_port(f"{config.host}:{config.port}")
     if bound == 0:
         raise OSError(f"cannot bind {config.host}:{config.port}")
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    service_health = ServiceHealth(health_servicer, SERVICE_NAME)
+    await service_health.loading()
     servicer = GenerationServicer(fingerprint)
     frontend_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     await server.start()
@@ -228,19 +238,20 @@ async def _serve_frontend(
     def on_outputs(engine: EngineConnection, outs: Any) -> None:
         holder["llm"].on_engine_outputs(engine, outs)
 
-    def set_health(status: int) -> None:
-        for name in ("", SERVICE_NAME):
-            task = asyncio.ensure_future(health_servicer.set(name, status))
-            background.add(task)
-            task.add_done_callback(background.discard)
+    def set_health(ready: bool) -> None:
+        if servicer.draining:  # readiness stays NOT_SERVING until the process exits
+            return
+        task = asyncio.ensure_future(service_health.ready() if ready else service_health.unready())
+        background.add(task)
+        task.add_done_callback(background.discard)
 
     def on_dead(engine: EngineConnection, reason: str) -> None:
         holder["llm"].on_engine_dead(engine, reason)
         if not group.any_alive:
-            set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+            set_health(False)
 
     def on_alive(engine: EngineConnection) -> None:
-        set_health(health_pb2.HealthCheckResponse.SERVING)
+        set_health(True)
 
     group = EngineGroup(config.engines, config.client_index, on_outputs, on_dead, on_alive)
     if metrics is not None:
@@ -265,21 +276,48 @@ async def _serve_frontend(
     )
     holder["llm"] = llm
     servicer.attach(llm, model_name, info)
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    signals = StopSignals().install()
+    await service_health.ready()
     logger.info("frontend SERVING on %s:%d with %d engine(s)", config.host, bound, len(config.engines))
     if ready is not None:
         ready.set()
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await signals.requested.wait()
+    await _drain(servicer, service_health, llm, config.drain_timeout, signals)
     await health_servicer.enter_graceful_shutdown()
-    await server.stop(2.0)
+    await server.stop(STREAM_CLOSE_GRACE)
     await group.close()
     return 0
+
+
+STREAM_CLOSE_GRACE = 5.0  # seconds finished streams get to deliver their last message
+
+
+async def _drain(
+    servicer: GenerationServicer,
+    service_health: ServiceHealth,
+    llm: AsyncLLM,
+    timeout: float,
+    signals: StopSignals,
+) -> None:
+    """Readiness NOT_SERVING, refuse new calls, let in-flight streams finish (up to
+    ``timeout``; a second signal cuts it short), fail the rest with UNAVAILABLE."""
+    servicer.draining = True
+    await service_health.draining()
+    logger.info("frontend draining: %d requests in flight", llm.num_unfinished)
+    draining = asyncio.ensure_future(llm.drain(timeout))
+    forced = asyncio.ensure_future(signals.forced.wait())
+    await asyncio.wait([draining, forced], return_when=asyncio.FIRST_COMPLETED)
+    forced.cancel()
+    if not draining.done():
+        draining.cancel()
+        failed = llm.fail_all("the frontend was stopped again during its drain: aborted")
+    else:
+        failed = draining.result()
+    if failed:
+        logger.warning("frontend drain ended with %d requests unfinished: failed UNAVAILABLE", failed)
+    else:
+        logger.info("frontend drained")
 
 
 def model_eos_token_ids(model_dir: str) -> list[int]:
@@ -301,6 +339,11 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=int(env("TANDEM_FRONTEND_PORT", "50051")))
     p.add_argument("--client-index", type=int, default=int(env("TANDEM_CLIENT_INDEX", "0")))
     p.add_argument("--connect-timeout", type=float, default=float(env("TANDEM_CONNECT_TIMEOUT", "60")))
+    p.add_argument(
+        "--drain-timeout", type=float, default=float(env("TANDEM_DRAIN_TIMEOUT", "30")),
+        help="Seconds in-flight streams get to finish after SIGTERM/SIGINT before they fail "
+        "with UNAVAILABLE (env TANDEM_DRAIN_TIMEOUT; default 30).",
+    )
     telemetry.add_metrics_cli(p, default_port=8000)
     p.set_defaults(handler=run_cli)
 
@@ -322,6 +365,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         client_index=args.client_index,
         connect_timeout=args.connect_timeout,
         metrics_port=args.metrics_port,
+        drain_timeout=args.drain_timeout,
     )
 
 

@@ -25,6 +25,11 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-base-port", type=int, default=int(env("TANDEM_ENGINE_BASE_PORT", "50061")),
                    help="Engine i listens on this port + i.")
     p.add_argument("--connect-timeout", type=float, default=120.0)
+    p.add_argument(
+        "--drain-timeout", type=float, default=float(env("TANDEM_DRAIN_TIMEOUT", "30")),
+        help="On SIGTERM/SIGINT the frontend drains first (in-flight streams get this many "
+        "seconds), then the engines (each as long) (env TANDEM_DRAIN_TIMEOUT; default 30).",
+    )
     telemetry.add_metrics_cli(p, default_port=8000)
     p.add_argument("--engine-metrics-base-port", type=int,
                    default=int(env("TANDEM_ENGINE_METRICS_BASE_PORT", "8001")),
@@ -55,6 +60,8 @@ def run_cli(args: argparse.Namespace) -> int:
 
         model = demo_model_dir()
     extra = [a for a in args.engine_args if a != "--"]
+    if "--drain-timeout" not in extra:
+        extra += ["--drain-timeout", str(args.drain_timeout)]
     threads = max(1, (os.cpu_count() or 1) // args.engines)
     procs = []
     addresses = []
@@ -64,7 +71,8 @@ def run_cli(args: argparse.Namespace) -> int:
         procs.append(subprocess.Popen(engine_command(model, port, i, extra, threads, metrics_port)))
         addresses.append(f"127.0.0.1:{port}")
     config = FrontendConfig(model=model, engines=addresses, host=args.host, port=args.port,
-                            connect_timeout=args.connect_timeout, metrics_port=args.metrics_port)
+                            connect_timeout=args.connect_timeout, metrics_port=args.metrics_port,
+                            drain_timeout=args.drain_timeout)
     print(f"tandem: frontend on {args.host}:{args.port}, engines on {', '.join(addresses)}", flush=True)
     tracing = telemetry.tracing_from_env("tandem-frontend")
     try:
@@ -78,6 +86,6 @@ def run_cli(args: argparse.Namespace) -> int:
             proc.terminate()
         for proc in procs:
             try:
-                proc.wait(timeout=15)
+                proc.wait(timeout=args.drain_timeout + 15)  # an engine drains before it exits
             except subprocess.TimeoutExpired:
                 proc.kill()
