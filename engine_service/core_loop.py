@@ -22,6 +22,7 @@ import enum
 import logging
 import queue
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -87,6 +88,11 @@ class EngineCoreLoop:
             target=context.run, args=(self._run,), name="engine-core", daemon=True
         )
         self.dead: EngineDead | None = None
+        # Liveness for the watchdog (engine_service/watchdog.py): time.monotonic() of
+        # the loop's last iteration, and whether it had unfinished requests then. An
+        # idle loop blocks on ``inputs`` without beating; only a busy one must beat.
+        self.heartbeat = time.monotonic()
+        self.busy = False
 
     def start(self) -> None:
         self._thread.start()
@@ -125,8 +131,10 @@ class EngineCoreLoop:
                 block = not core.has_unfinished_requests()
                 if not self._drain_inputs(core, block):
                     return
+                self._beat(core)
                 if core.has_unfinished_requests():
                     self.outputs.put(core.step())
+                    self._beat(core)  # before it may block: an idle loop is not busy
                 else:
                     idle = core.take_abort_outputs()
                     if idle is not None:
@@ -135,6 +143,10 @@ class EngineCoreLoop:
             logger.error("engine core failed:\n%s", traceback.format_exc())
             self.dead = EngineDead(f"engine core failed: {type(exc).__name__}: {exc}")
             self.outputs.put(self.dead)
+
+    def _beat(self, core: EngineCore) -> None:
+        self.busy = core.has_unfinished_requests()
+        self.heartbeat = time.monotonic()
 
     def _drain_inputs(self, core: EngineCore, block: bool) -> bool:
         """Apply every queued input; wait for one first if ``block``. False on shutdown."""

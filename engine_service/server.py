@@ -16,7 +16,6 @@ import itertools
 import logging
 import os
 import queue
-import signal
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -25,18 +24,20 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from engine_service.config import EngineConfig
 from engine_service.core import EngineCore
 from engine_service.core_loop import EngineCoreLoop, EngineDead, UtilityCall
 from engine_service.cpu import keep_freed_memory_mapped
+from engine_service.lifecycle import add_lifecycle_cli, run_until_stopped
 from engine_service.metrics import EngineMetrics, StatsLogger
 from engine_service.tracing import RequestSpanEmitter
 from tandem import telemetry
 from tandem.grpc_guard import MalformedRequestGuard
 from tandem.grpc_server import BindError, MessageLimits, ServiceServer
+from tandem.health import ServiceHealth
 from tandem.protocol import convert
 from tandem.protocol.fingerprint import tokenizer_fingerprint
 from tandem.protocol.outputs import (
@@ -53,6 +54,7 @@ from tandem.security import (
     add_server_security_cli,
     server_security_from_args,
 )
+from tandem.signals import StopSignals
 from tandem.telemetry import Tracing
 from tandem.v1 import engine_pb2, engine_pb2_grpc
 
@@ -75,6 +77,12 @@ class EngineServerConfig:
     metrics_port: int = 0  # Prometheus /metrics on host:metrics_port; 0: off
     log_stats_interval: float = 10.0  # seconds between stats log lines; 0: off
     security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS, tokens, admin port
+    # Seconds in-flight requests get to finish after SIGTERM/SIGINT; the rest are
+    # then aborted with UNAVAILABLE "drain timeout: aborted".
+    drain_timeout: float = 30.0
+    # A step loop busy with requests that finishes no step for this many seconds is
+    # hung: liveness goes NOT_SERVING and the process exits 1.
+    step_timeout: float = 120.0
 
 
 @dataclass
@@ -116,6 +124,10 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
         self.aio_loop: asyncio.AbstractEventLoop | None = None
         self.dead: EngineDead | None = None
         self.died = asyncio.Event()
+        # Graceful shutdown: once ``draining``, new adds are refused (UNAVAILABLE) and
+        # every message says so; ``drained`` is set when no accepted request is left.
+        self.draining = False
+        self.drained = asyncio.Event()
 
     def attach(self, core: EngineCore, loop: EngineCoreLoop) -> None:
         self.core = core
@@ -186,7 +198,8 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
                 utility = convert.utility_output_to_proto(outs.utility_output)
                 utility.call_id = target[1]
                 msg = engine_pb2.EngineCoreOutputs(
-                    engine_index=outs.engine_index, utility_output=utility, timestamp=outs.timestamp
+                    engine_index=outs.engine_index, utility_output=utility, timestamp=outs.timestamp,
+                    draining=self.draining,
                 )
                 self.clients[target[0]].outbox.put_nowait(msg)
             return
@@ -208,16 +221,78 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
                 scheduler_stats=outs.scheduler_stats,
                 timestamp=outs.timestamp,
                 finished_requests={o.request_id for o in outputs if o.finished} or None,
+                draining=self.draining,
             )
             self.clients[cid].outbox.put_nowait(convert.engine_core_outputs_to_proto(step))
+        self._note_if_drained()
 
     def _on_dead(self, dead: EngineDead) -> None:
+        if self.dead is not None:  # the watchdog and the pump may both report it
+            return
         self.dead = dead
         msg = convert.engine_dead_outputs(self.core.engine_index, dead.message, time.time())
         for client in self.clients.values():
             client.outbox.put_nowait(msg)
             client.outbox.put_nowait(None)
         self.died.set()
+
+    # ---- graceful drain (engine_service/lifecycle.py drives it) ---------------------
+
+    def start_drain(self) -> None:
+        """Take no new request from now on and tell every connected frontend."""
+        if self.draining:
+            return
+        self.draining = True
+        logger.info("engine %d draining: %d requests in flight", self.core.engine_index, len(self.owner))
+        for client in self.clients.values():
+            client.outbox.put_nowait(self._draining_message())
+        self._note_if_drained()
+
+    def abort_all(self, message: str) -> int:
+        """End every accepted request with UNAVAILABLE ``message``; returns how many."""
+        error = RequestError(ErrorCode.UNAVAILABLE, message)
+        left = list(self.owner.items())
+        for rid, cid in left:
+            client = self.clients.get(cid)
+            if client is not None:
+                client.request_ids.discard(rid)
+                self._send_error(client, rid, error)
+        self.owner.clear()  # the core's own ABORT outputs for these then have no owner
+        if left:
+            self.engine_loop.abort_requests([rid for rid, _ in left])
+        self._note_if_drained()
+        return len(left)
+
+    def close_streams(self) -> None:
+        """End every frontend's stream (after the drain; the outboxes flush first)."""
+        for client in self.clients.values():
+            client.outbox.put_nowait(None)
+
+    def fail(self, reason: str) -> None:
+        """The step loop hung (the watchdog's verdict): as if the core had died."""
+        self._on_dead(EngineDead(reason))
+
+    def _draining_reason(self) -> str:
+        return f"engine {self.core.engine_index} is draining"
+
+    def _draining_message(self) -> engine_pb2.EngineCoreOutputs:
+        return engine_pb2.EngineCoreOutputs(
+            engine_index=self.core.engine_index, timestamp=time.monotonic(), draining=True
+        )
+
+    def _note_if_drained(self) -> None:
+        if self.draining and not self.owner:
+            self.drained.set()
+
+    def _send_error(self, client: _Client, rid: str, error: RequestError) -> None:
+        out = EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR, stop_reason=error.message, error=error)
+        step = EngineCoreOutputs(
+            engine_index=self.core.engine_index,
+            outputs=[out],
+            finished_requests={rid},
+            draining=self.draining,
+        )
+        client.outbox.put_nowait(convert.engine_core_outputs_to_proto(step))
 
     # ---- RPCs ---------------------------------------------------------------------
 
@@ -229,6 +304,8 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
         await self._require_ready(context)
         client = _Client(next(self._client_ids))
         self.clients[client.client_id] = client
+        if self.draining:
+            client.outbox.put_nowait(self._draining_message())
         reader = asyncio.ensure_future(self._read_inputs(client, request_iterator, context))
         try:
             while True:
@@ -245,6 +322,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
                 for rid in client.request_ids:
                     self.owner.pop(rid, None)
                 self.engine_loop.abort_requests(list(client.request_ids))
+                self._note_if_drained()
 
     async def _read_inputs(
         self,
@@ -278,6 +356,9 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             client.outbox.put_nowait(None)
 
     def _add(self, client: _Client, msg: engine_pb2.EngineCoreRequest) -> None:
+        if self.draining:
+            self._send_error(client, msg.request_id, RequestError(ErrorCode.UNAVAILABLE, self._draining_reason()))
+            return
         try:
             request = convert.engine_core_request_from_proto(msg)
             self.core.validate_request(request)
@@ -329,6 +410,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             enable_prefix_caching=cfg.enable_prefix_caching,
             dtype=str(cfg.torch_dtype).removeprefix("torch."),
             device=str(cfg.torch_device),
+            draining=self.draining,
         )
 
     async def ResetPrefixCache(
@@ -427,8 +509,8 @@ async def _serve_engine(
         )
     servicer = EngineServicer(engine_config.model, tracing, metrics, stats_logger)
     engine_pb2_grpc.add_EngineCoreServicer_to_server(servicer, server)
-    await health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.NOT_SERVING)
+    service_health = ServiceHealth(health_servicer, SERVICE_NAME)
+    await service_health.loading()
     await server.start()  # health answers NOT_SERVING while the model loads
     logger.info("engine %d listening on %s:%d", server_config.engine_index, server_config.host, bound)
 
@@ -454,26 +536,16 @@ async def _serve_engine(
         core = await asyncio.wrap_future(engine_loop.started)
     servicer.attach(core, engine_loop)
     servicer.start_pump(asyncio.get_running_loop())
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set(SERVICE_NAME, health_pb2.HealthCheckResponse.SERVING)
+    signals = StopSignals().install()
+    await service_health.ready()
     logger.info("engine %d SERVING %s", server_config.engine_index, engine_config.model)
 
-    stop = asyncio.Event()
-    aio_loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        aio_loop.add_signal_handler(sig, stop.set)
-    died = asyncio.ensure_future(servicer.died.wait())
-    stopped = asyncio.ensure_future(stop.wait())
-    await asyncio.wait([died, stopped], return_when=asyncio.FIRST_COMPLETED)
+    status = await run_until_stopped(servicer, service_health, engine_loop, server_config, signals)
     await health_servicer.enter_graceful_shutdown()
-    if servicer.died.is_set():
-        await asyncio.sleep(0.2)  # let the engine-dead messages go out
-        await server.stop(server_config.grace_seconds)
-        logger.error("engine core died; exiting non-zero")
-        return 1
     await server.stop(server_config.grace_seconds)
-    engine_loop.shutdown()
-    return 0
+    if status == 0:  # a dead or hung loop thread is never joined
+        engine_loop.shutdown()
+    return status
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
@@ -492,6 +564,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         help="Seconds between engine stats log lines (throughput, queue, KV usage); 0: off.",
     )
     add_server_security_cli(p, engine=True)
+    add_lifecycle_cli(p)
     EngineConfig.add_cli_args(p)
     p.set_defaults(handler=run_cli)
 
@@ -510,6 +583,8 @@ def run_cli(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         log_stats_interval=args.log_stats_interval,
         security=server_security_from_args(args, engine=True),
+        drain_timeout=args.drain_timeout,
+        step_timeout=args.step_timeout,
     )
     tracing = telemetry.tracing_from_env("tandem-engine")
     try:

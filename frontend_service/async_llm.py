@@ -53,6 +53,10 @@ logger = logging.getLogger(__name__)
 GENERATE_SPAN_NAME = "tandem.v1.Generation/Generate"
 
 
+# Refusals of a request an engine has not started: another engine may take it.
+_MOVABLE = (ErrorCode.RESOURCE_EXHAUSTED, ErrorCode.UNAVAILABLE)
+
+
 class PauseMode(enum.Enum):
     ABORT = "abort"  # abort in-flight requests
     WAIT = "wait"  # let in-flight requests finish
@@ -161,9 +165,11 @@ class AsyncLLM:
     def _on_request_failed(self, engine: EngineConnection, out: EngineCoreOutput) -> None:
         """An engine ended one of a stream's requests with an error.
 
-        RESOURCE_EXHAUSTED before any output: the stream moves to the least-loaded live
-        engine it has not tried yet (each engine at most once). Anything else, or no
-        engine left: the caller gets the engine's status.
+        Refused before any output (RESOURCE_EXHAUSTED: its queue is full; UNAVAILABLE: it
+        started draining while the add was on the wire): the stream moves to the
+        least-loaded live engine it has not tried yet (each engine at most once), and its
+        caller never sees the refusal. Anything else, or no engine left: the caller gets
+        the engine's status.
         """
         internal_id = self._owner.get(out.request_id, "")
         stream = self.streams.get(internal_id)
@@ -172,7 +178,7 @@ class AsyncLLM:
         error = out.error or RequestError(
             ErrorCode.INTERNAL, f"the engine failed this request: {out.stop_reason or 'no reason given'}"
         )
-        if error.code == ErrorCode.RESOURCE_EXHAUSTED and not stream.got_output:
+        if error.code in _MOVABLE and not stream.got_output:
             target = self._next_engine(stream)
             if target is not None:
                 engine.abort([rid for rid in stream.engine_request_ids if rid != out.request_id])
@@ -319,7 +325,7 @@ class AsyncLLM:
                 if not stream.finished:
                     # Cancelled, disconnected, failed or closed early: free the engine's blocks.
                     result = self.output_processor.abort_requests([internal_id])
-                    engine.abort(result.reqs_to_abort or stream.engine_request_ids)
+                    stream.engine.abort(result.reqs_to_abort or stream.engine_request_ids)
         except (GeneratorExit, asyncio.CancelledError):
             raise  # the caller went away: finish reason "abort", not an error
         except BaseException as exc:
@@ -418,6 +424,27 @@ class AsyncLLM:
     @property
     def num_unfinished(self) -> int:
         return sum(1 for s in self.streams.values() if not s.finished)
+
+    # ---- graceful drain ----------------------------------------------------------------
+
+    async def drain(self, timeout: float, poll_interval: float = 0.05) -> int:
+        """Wait up to ``timeout`` seconds for every request to finish, then fail what is
+        left with UNAVAILABLE (its engine requests aborted). Returns how many failed.
+
+        The caller stops admitting new requests first (the servicer's draining gate).
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.num_unfinished and loop.time() < deadline:
+            await asyncio.sleep(poll_interval)
+        return self.fail_all(f"the frontend's drain timeout ({timeout:g}s) passed: aborted")
+
+    def fail_all(self, reason: str) -> int:
+        """Fail every unfinished request with UNAVAILABLE ``reason``; returns how many."""
+        left = [(rid, s) for rid, s in self.streams.items() if not s.finished]
+        for internal_id, stream in left:
+            self._fail(internal_id, stream, EngineUnavailableError(reason))
+        return len(left)
 
 
 def failure_reason(code: ErrorCode) -> str:

@@ -3,8 +3,9 @@
 Each ``EngineConnection`` keeps one long-lived ``EngineCore.Stream`` to an engine
 service: requests and aborts go up as ``EngineCoreInput`` messages, and one
 ``EngineCoreOutputs`` per engine step comes down. ``EngineGroup`` places each new
-request on the least-loaded live engine (vLLM's score: waiting x 4 + running) and
-keeps it there for its whole life.
+request on the least-loaded live engine that is not draining (vLLM's score:
+waiting x 4 + running). AsyncLLM moves a request an engine refused before producing
+anything (RESOURCE_EXHAUSTED, or UNAVAILABLE while it drains) to another engine.
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ class EngineConnection:
         self.info: engine_pb2.GetEngineInfoResponse | None = None
         self.load = EngineLoad()
         self.alive = False
+        # The engine said it is shutting down gracefully: it finishes what it has and
+        # takes nothing new (EngineGroup.pick skips it). Cleared when it comes back.
+        self.draining = False
         self.dead_reason = ""
         self._send: asyncio.Queue[engine_pb2.EngineCoreInput | None] = asyncio.Queue()
         self._reader: asyncio.Task[None] | None = None
@@ -99,6 +103,7 @@ class EngineConnection:
                 self.info = await self.stub.GetEngineInfo(
                     engine_pb2.GetEngineInfoRequest(), timeout=max(left, 0.001), wait_for_ready=True
                 )
+                self.draining = self.info.draining
                 return self.info
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.UNAVAILABLE and left > 0.5:
@@ -136,6 +141,9 @@ class EngineConnection:
                     self.load.running = outs.scheduler_stats.num_running_reqs
                     self.load.waiting = outs.scheduler_stats.num_waiting_reqs
                     self.load.in_flight_adds = 0
+                if outs.draining and not self.draining:
+                    logger.info("engine %d at %s is draining: placing no new requests there", self.index, self.address)
+                    self.draining = True
                 self.on_outputs(self, outs)
         except grpc.aio.AioRpcError as exc:
             reason = f"{exc.code().name}: {exc.details()}"
@@ -149,8 +157,8 @@ class EngineConnection:
             return
         self.alive = False
         self.dead_reason = f"engine {self.index} at {self.address} is unavailable: {reason}"
-        # Our own shutdown is not an error; anything else is.
-        logger.log(logging.INFO if self._closing else logging.ERROR, self.dead_reason)
+        # Our own shutdown and a drained engine leaving are not errors; anything else is.
+        logger.log(logging.INFO if self._closing or self.draining else logging.ERROR, self.dead_reason)
         self._send.put_nowait(None)  # ends the old stream's request iterator
         self.on_dead(self, self.dead_reason)
         if not self._closing:
@@ -173,6 +181,7 @@ class EngineConnection:
                 logger.error("engine at %s came back with a different tokenizer; not using it", self.address)
                 continue
             self.info = info
+            self.draining = info.draining
             self.load = EngineLoad()
             self._send = asyncio.Queue()
             await self.open(self._fingerprint)
@@ -251,15 +260,18 @@ class EngineGroup:
         return any(e.alive for e in self.engines)
 
     def pick(self, exclude: Collection[EngineConnection] = ()) -> EngineConnection:
-        """The live engine with the lowest load score (ties: lowest index), leaving out
-        ``exclude`` (engines that already refused the request)."""
+        """The live, non-draining engine with the lowest load score (ties: lowest index),
+        leaving out ``exclude`` (engines that already refused the request)."""
         live = [e for e in self.engines if e.alive and e not in exclude]
         if not live:
             reasons = "; ".join(
                 e.dead_reason or f"{e.address}: not connected" for e in self.engines
             )
             raise EngineUnavailableError(f"no engine is available ({reasons})")
-        return min(live, key=lambda e: (e.load.score, e.index))
+        ready = [e for e in live if not e.draining]
+        if not ready:
+            raise EngineUnavailableError("every available engine is draining")
+        return min(ready, key=lambda e: (e.load.score, e.index))
 
     async def close(self) -> None:
         await asyncio.gather(*(e.close() for e in self.engines), return_exceptions=True)

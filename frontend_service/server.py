@@ -10,13 +10,12 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 
 from frontend_service import api
 from frontend_service.admission import DEFAULT_MAX_PENDING_REQUESTS, PendingLimit
@@ -33,6 +32,7 @@ from frontend_service.metrics import FrontendMetrics
 from tandem import telemetry
 from tandem.grpc_guard import MalformedRequestGuard
 from tandem.grpc_server import BindError, MessageLimits, ServiceServer
+from tandem.health import ServiceHealth
 from tandem.protocol.fingerprint import tokenizer_fingerprint
 from tandem.protocol.model_config import ModelConfig
 from tandem.security import (
@@ -44,6 +44,7 @@ from tandem.security import (
     engine_channel_from_args,
     server_security_from_args,
 )
+from tandem.signals import StopSignals
 from tandem.telemetry import Tracing
 from tandem.v1 import frontend_pb2, frontend_pb2_grpc
 
@@ -72,6 +73,9 @@ class FrontendConfig:
     # Requests admitted and not finished beyond which Generate answers RESOURCE_EXHAUSTED
     # without contacting an engine; 0: unbounded.
     max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS
+    # Seconds in-flight streams get to finish after SIGTERM/SIGINT; the rest then
+    # fail with UNAVAILABLE.
+    drain_timeout: float = 30.0
 
 
 class GenerationServicer(frontend_pb2_grpc.GenerationServicer):
@@ -82,6 +86,7 @@ class GenerationServicer(frontend_pb2_grpc.GenerationServicer):
         self.model_name = ""
         self.info: Any = None
         self.fingerprint = fingerprint
+        self.draining = False  # set on SIGTERM/SIGINT: new Generate calls are refused
 
     def attach(self, llm: AsyncLLM, model_name: str, info: Any) -> None:
         self.llm = llm
@@ -92,10 +97,15 @@ class GenerationServicer(frontend_pb2_grpc.GenerationServicer):
         if self.llm is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the frontend is still connecting to its engines")
 
+    async def _refuse_while_draining(self, context: grpc.aio.ServicerContext) -> None:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the frontend is draining")
+
     async def Generate(
         self, request: frontend_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[frontend_pb2.GenerateResponse]:
         await self._require_ready(context)
+        await self._refuse_while_draining(context)
         try:
             args = api.generate_args_from_proto(request)
             metadata = dict(context.invocation_metadata() or ())
@@ -241,8 +251,8 @@ async def _serve_frontend(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     server.enable_reflection((SERVICE_NAME,))
     bound = server.port
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    service_health = ServiceHealth(health_servicer, SERVICE_NAME)
+    await service_health.loading()
     servicer = GenerationServicer(fingerprint)
     frontend_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     await server.start()
@@ -253,19 +263,20 @@ async def _serve_frontend(
     def on_outputs(engine: EngineConnection, outs: Any) -> None:
         holder["llm"].on_engine_outputs(engine, outs)
 
-    def set_health(status: int) -> None:
-        for name in ("", SERVICE_NAME):
-            task = asyncio.ensure_future(health_servicer.set(name, status))
-            background.add(task)
-            task.add_done_callback(background.discard)
+    def set_health(ready: bool) -> None:
+        if servicer.draining:  # readiness stays NOT_SERVING until the process exits
+            return
+        task = asyncio.ensure_future(service_health.ready() if ready else service_health.unready())
+        background.add(task)
+        task.add_done_callback(background.discard)
 
     def on_dead(engine: EngineConnection, reason: str) -> None:
         holder["llm"].on_engine_dead(engine, reason)
         if not group.any_alive:
-            set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+            set_health(False)
 
     def on_alive(engine: EngineConnection) -> None:
-        set_health(health_pb2.HealthCheckResponse.SERVING)
+        set_health(True)
 
     group = EngineGroup(
         config.engines, config.client_index, on_outputs, on_dead, on_alive, channel=config.engine_channel
@@ -294,21 +305,48 @@ async def _serve_frontend(
     )
     holder["llm"] = llm
     servicer.attach(llm, model_name, info)
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    signals = StopSignals().install()
+    await service_health.ready()
     logger.info("frontend SERVING on %s:%d with %d engine(s)", config.host, bound, len(config.engines))
     if ready is not None:
         ready.set()
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await signals.requested.wait()
+    await _drain(servicer, service_health, llm, config.drain_timeout, signals)
     await health_servicer.enter_graceful_shutdown()
-    await server.stop(2.0)
+    await server.stop(STREAM_CLOSE_GRACE)
     await group.close()
     return 0
+
+
+STREAM_CLOSE_GRACE = 5.0  # seconds finished streams get to deliver their last message
+
+
+async def _drain(
+    servicer: GenerationServicer,
+    service_health: ServiceHealth,
+    llm: AsyncLLM,
+    timeout: float,
+    signals: StopSignals,
+) -> None:
+    """Readiness NOT_SERVING, refuse new calls, let in-flight streams finish (up to
+    ``timeout``; a second signal cuts it short), fail the rest with UNAVAILABLE."""
+    servicer.draining = True
+    await service_health.draining()
+    logger.info("frontend draining: %d requests in flight", llm.num_unfinished)
+    draining = asyncio.ensure_future(llm.drain(timeout))
+    forced = asyncio.ensure_future(signals.forced.wait())
+    await asyncio.wait([draining, forced], return_when=asyncio.FIRST_COMPLETED)
+    forced.cancel()
+    if not draining.done():
+        draining.cancel()
+        failed = llm.fail_all("the frontend was stopped again during its drain: aborted")
+    else:
+        failed = draining.result()
+    if failed:
+        logger.warning("frontend drain ended with %d requests unfinished: failed UNAVAILABLE", failed)
+    else:
+        logger.info("frontend drained")
 
 
 def model_eos_token_ids(model_dir: str) -> list[int]:
@@ -345,6 +383,11 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "RESOURCE_EXHAUSTED with a retry hint, without contacting an engine; 0: unbounded "
         f"(env TANDEM_MAX_PENDING_REQUESTS, default {DEFAULT_MAX_PENDING_REQUESTS}).",
     )
+    p.add_argument(
+        "--drain-timeout", type=float, default=float(env("TANDEM_DRAIN_TIMEOUT", "30")),
+        help="Seconds in-flight streams get to finish after SIGTERM/SIGINT before they fail "
+        "with UNAVAILABLE (env TANDEM_DRAIN_TIMEOUT; default 30).",
+    )
     telemetry.add_metrics_cli(p, default_port=8000)
     add_server_security_cli(p, engine=False)
     add_engine_channel_cli(p)
@@ -371,6 +414,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         security=server_security_from_args(args, engine=False),
         engine_channel=engine_channel_from_args(args),
         max_pending_requests=args.max_pending_requests,
+        drain_timeout=args.drain_timeout,
     )
 
 

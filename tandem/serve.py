@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
 import signal
@@ -165,14 +164,13 @@ async def _serve(args: argparse.Namespace, model: str, supervisor: EngineSupervi
             loop.add_signal_handler(sig, on_signal, sig)
 
     addresses = [e.address for e in supervisor.engines]
-    fields = {f.name for f in dataclasses.fields(FrontendConfig)}
-    drain = {"drain_timeout": args.drain_timeout} if "drain_timeout" in fields else {}
     admin_port = _admin_port(args)
     config = FrontendConfig(model=model, engines=addresses, host=args.host, port=args.port,
                             connect_timeout=args.connect_timeout, metrics_port=args.metrics_port,
                             security=ServerSecurity(TlsFiles(args.tls_cert, args.tls_key),
                                                     admin_token=args.admin_token, admin_port=admin_port),
-                            engine_channel=EngineChannelSecurity(engine_token=args.engine_token), **drain)
+                            engine_channel=EngineChannelSecurity(engine_token=args.engine_token),
+                            drain_timeout=args.drain_timeout)
     admin = f", admin on 127.0.0.1:{admin_port}" if admin_port else ""
     tracing = telemetry.tracing_from_env("tandem-frontend")
     watch: asyncio.Task[None] | None = None

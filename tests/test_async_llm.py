@@ -33,6 +33,14 @@ class FakeEngine:
     def add_request(self, request: EngineCoreRequest) -> None:
         self.added.append(request)
 
+    def place(self, requests: list[EngineCoreRequest]) -> FakeEngine:
+        for request in requests:
+            self.add_request(request)
+        return self
+
+    def requests_on(self, engine: FakeEngine) -> set[str]:
+        return {r.request_id for r in self.added}
+
     def abort(self, request_ids: list[str]) -> None:
         self.aborted += request_ids
 
