@@ -36,7 +36,7 @@ from engine_service.metrics import EngineMetrics, StatsLogger
 from engine_service.tracing import RequestSpanEmitter
 from tandem import telemetry
 from tandem.grpc_guard import MalformedRequestGuard
-from tandem.grpc_server import BindError, MessageLimits, ServiceServer
+from tandem.grpc_server import BindError, MessageLimits, ServiceServer, add_health_port_cli
 from tandem.health import ServiceHealth
 from tandem.protocol import convert
 from tandem.protocol.fingerprint import tokenizer_fingerprint
@@ -74,6 +74,7 @@ class EngineServerConfig:
     port: int = 50061
     engine_index: int = 0
     grace_seconds: float = 2.0  # time streams get to close on shutdown
+    health_port: int = 0  # plain-text grpc.health.v1 alone on host:health_port; 0: off
     metrics_port: int = 0  # Prometheus /metrics on host:metrics_port; 0: off
     log_stats_interval: float = 10.0  # seconds between stats log lines; 0: off
     security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS, tokens, admin port
@@ -497,6 +498,7 @@ async def _serve_engine(
     server = ServiceServer(
         server_config.host, server_config.port, server_config.security, MESSAGE_LIMITS,
         interceptors=[MalformedRequestGuard()],
+        health_port=server_config.health_port,
     )
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     server.enable_reflection((SERVICE_NAME,))
@@ -563,6 +565,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         default=float(os.environ.get("TANDEM_LOG_STATS_INTERVAL", "10")),
         help="Seconds between engine stats log lines (throughput, queue, KV usage); 0: off.",
     )
+    add_health_port_cli(p)
     add_server_security_cli(p, engine=True)
     add_lifecycle_cli(p)
     EngineConfig.add_cli_args(p)
@@ -582,6 +585,7 @@ def run_cli(args: argparse.Namespace) -> int:
         engine_index=args.engine_index,
         metrics_port=args.metrics_port,
         log_stats_interval=args.log_stats_interval,
+        health_port=args.health_port,
         security=server_security_from_args(args, engine=True),
         drain_timeout=args.drain_timeout,
         step_timeout=args.step_timeout,

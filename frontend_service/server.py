@@ -31,7 +31,7 @@ from frontend_service.input_processor import InputProcessor
 from frontend_service.metrics import FrontendMetrics
 from tandem import telemetry
 from tandem.grpc_guard import MalformedRequestGuard
-from tandem.grpc_server import BindError, MessageLimits, ServiceServer
+from tandem.grpc_server import BindError, MessageLimits, ServiceServer, add_health_port_cli
 from tandem.health import ServiceHealth
 from tandem.protocol.fingerprint import tokenizer_fingerprint
 from tandem.protocol.model_config import ModelConfig
@@ -67,6 +67,7 @@ class FrontendConfig:
     port: int = 50051
     client_index: int = 0  # tells engines which frontend a request came from
     connect_timeout: float = 60.0  # seconds to wait for every engine at start-up
+    health_port: int = 0  # plain-text grpc.health.v1 alone on host:health_port; 0: off
     metrics_port: int = 0  # Prometheus /metrics on host:metrics_port; 0: off
     security: ServerSecurity = field(default_factory=ServerSecurity)  # public TLS, admin token and port
     engine_channel: EngineChannelSecurity = field(default_factory=EngineChannelSecurity)  # TLS, token to engines
@@ -246,7 +247,8 @@ async def _serve_frontend(
     fingerprint = tokenizer_fingerprint(config.model)
     health_servicer = health.aio.HealthServicer()
     server = ServiceServer(
-        config.host, config.port, config.security, MESSAGE_LIMITS, interceptors=[MalformedRequestGuard()]
+        config.host, config.port, config.security, MESSAGE_LIMITS, interceptors=[MalformedRequestGuard()],
+        health_port=config.health_port
     )
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     server.enable_reflection((SERVICE_NAME,))
@@ -389,6 +391,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "with UNAVAILABLE (env TANDEM_DRAIN_TIMEOUT; default 30).",
     )
     telemetry.add_metrics_cli(p, default_port=8000)
+    add_health_port_cli(p)
     add_server_security_cli(p, engine=False)
     add_engine_channel_cli(p)
     p.set_defaults(handler=run_cli)
@@ -411,6 +414,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         client_index=args.client_index,
         connect_timeout=args.connect_timeout,
         metrics_port=args.metrics_port,
+        health_port=args.health_port,
         security=server_security_from_args(args, engine=False),
         engine_channel=engine_channel_from_args(args),
         max_pending_requests=args.max_pending_requests,

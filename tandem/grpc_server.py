@@ -2,7 +2,9 @@
 
 ``ServiceServer`` is the public server (plain text or TLS, guarded by
 ``security.AccessInterceptor``) plus, when an admin port is set, a plain-text twin bound
-to 127.0.0.1 that serves the same servicers without the admin check. It has the
+to 127.0.0.1 that serves the same servicers without the admin check, and, when a health
+port is set, a plain-text server with grpc.health.v1 alone (Kubernetes' gRPC probes
+cannot speak TLS; health tells nothing an attacker could use). It has the
 ``add_generic_rpc_handlers`` / ``add_registered_method_handlers`` pair of
 ``grpc.aio.Server``, so the generated ``add_*Servicer_to_server`` functions register a
 servicer on both at once. Torch-free.
@@ -10,7 +12,9 @@ servicer on both at once. Torch-free.
 
 from __future__ import annotations
 
+import argparse
 import logging
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -90,8 +94,10 @@ class ServiceServer:
         security: ServerSecurity,
         limits: MessageLimits,
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        health_port: int = 0,
     ) -> None:
-        """Binds the ports now (a held port raises ``BindError`` before anything starts)."""
+        """Binds the ports now (a held port raises ``BindError`` before anything starts).
+        ``health_port``: plain-text grpc.health.v1 on ``host:health_port``; 0: none."""
         options = server_options(limits)
         self.public = grpc.aio.server(
             interceptors=[AccessInterceptor(security), *interceptors], options=options
@@ -104,19 +110,30 @@ class ServiceServer:
         if security.admin_port:
             self.admin = grpc.aio.server(interceptors=list(interceptors), options=options)
             self.admin_port = _bind(self.admin, f"{ADMIN_HOST}:{security.admin_port}", None, "admin port")
+        self.health: grpc.aio.Server | None = None
+        if health_port:
+            self.health = grpc.aio.server(options=options)
+            _bind(self.health, f"{host}:{health_port}", None, "health port")
 
     @property
     def servers(self) -> list[grpc.aio.Server]:
         return [self.public] if self.admin is None else [self.public, self.admin]
 
     # The two methods the generated add_*Servicer_to_server functions call.
+    def _targets(self, service_name: str | None) -> list[grpc.aio.Server]:
+        if self.health is not None and service_name == health.SERVICE_NAME:
+            return [*self.servers, self.health]
+        return self.servers
+
     def add_generic_rpc_handlers(self, handlers: Iterable[grpc.GenericRpcHandler]) -> None:
         handlers = tuple(handlers)
-        for server in self.servers:
-            server.add_generic_rpc_handlers(handlers)
+        for handler in handlers:
+            name = handler.service_name() if hasattr(handler, "service_name") else None
+            for server in self._targets(name):
+                server.add_generic_rpc_handlers((handler,))
 
     def add_registered_method_handlers(self, service_name: str, method_handlers: dict[str, Any]) -> None:
-        for server in self.servers:
+        for server in self._targets(service_name):
             server.add_registered_method_handlers(service_name, method_handlers)
 
     def enable_reflection(self, service_names: Iterable[str]) -> None:
@@ -126,15 +143,27 @@ class ServiceServer:
     async def start(self) -> None:
         for server in self.servers:
             await server.start()
+        if self.health is not None:
+            await self.health.start()
         if self.admin is not None:
             logger.info("admin listener on %s:%d", ADMIN_HOST, self.admin_port)
 
     async def stop(self, grace: float | None) -> None:
         for server in self.servers:
             await server.stop(grace)
+        if self.health is not None:
+            await self.health.stop(grace)
 
     async def wait_for_termination(self, timeout: float | None = None) -> bool:
         return await self.public.wait_for_termination(timeout)
+
+
+def add_health_port_cli(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--health-port", type=int, default=int(os.environ.get("TANDEM_HEALTH_PORT", "0")),
+        help="Also serve grpc.health.v1 alone, in plain text, on this port (for probes that "
+        "cannot speak TLS, e.g. Kubernetes' gRPC probes); 0: off (env TANDEM_HEALTH_PORT).",
+    )
 
 
 # ---- reflection v1 ---------------------------------------------------------------------

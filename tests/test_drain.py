@@ -205,7 +205,8 @@ def test_sigterm_engine_drains_while_the_other_takes_new_requests(tiny_llama_dir
 
 def test_drain_timeout_aborts_leftovers_with_a_clear_status(tiny_llama_dir: str, log_dir: Path) -> None:
     # One sequence at a time: 8 x 900 tokens cannot finish in a 1 s drain.
-    engine_args = (*ENGINE_ARGS, "--max-num-seqs", "1", "--drain-timeout", "1")
+    # No waiting-queue bound: all 8 must be admitted to be left over by the drain.
+    engine_args = (*ENGINE_ARGS, "--max-num-seqs", "1", "--max-pending-requests", "0", "--drain-timeout", "1")
     with start_stack(tiny_llama_dir, 1, log_dir, engine_args) as stack:
         (engine,) = stack.engines
         results, channel = start_streams(stack.address, NUM_STREAMS, LONG_TOKENS)

@@ -320,6 +320,7 @@ class SecureStack:
     engine_address: str  # its mutual-TLS public port
     frontend: ServiceProcess  # .address: the frontend's admin port
     frontend_address: str  # its TLS public port
+    health_addresses: tuple[str, str]  # engine's, frontend's plain-text health ports
 
 
 @pytest.fixture(scope="module")
@@ -332,11 +333,14 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 @pytest.fixture(scope="module")
 def secure_stack(pki: Pki, tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureStack]:
     logs = tmp_path_factory.mktemp("secure_stack_logs")
-    engine_port, engine_admin, front_port, front_admin = (free_port() for _ in range(4))
+    engine_port, engine_admin, front_port, front_admin, engine_health, front_health = (
+        free_port() for _ in range(6)
+    )
     engine = ServiceProcess.spawn(
         "engine",
         ["engine", "--model", tiny_llama_dir, "--host", "127.0.0.1", "--port", str(engine_port),
-         "--metrics-port", "0", "--admin-port", str(engine_admin), *ENGINE_ARGS],
+         "--metrics-port", "0", "--admin-port", str(engine_admin), "--health-port", str(engine_health),
+         *ENGINE_ARGS],
         f"127.0.0.1:{engine_admin}", logs,
         env={"TANDEM_TLS_CERT": str(pki.engine.cert), "TANDEM_TLS_KEY": str(pki.engine.key),
              "TANDEM_TLS_CA": str(pki.ca.ca_path), "TANDEM_ENGINE_TOKEN": ENGINE_TOKEN},
@@ -344,7 +348,8 @@ def secure_stack(pki: Pki, tiny_llama_dir: str, tmp_path_factory: pytest.TempPat
     frontend = ServiceProcess.spawn(
         "frontend",
         ["frontend", "--model", tiny_llama_dir, "--host", "127.0.0.1", "--port", str(front_port),
-         "--metrics-port", "0", "--admin-port", str(front_admin), "--engine", f"127.0.0.1:{engine_port}",
+         "--metrics-port", "0", "--admin-port", str(front_admin), "--health-port", str(front_health),
+         "--engine", f"127.0.0.1:{engine_port}",
          "--connect-timeout", str(START_TIMEOUT),
          "--tls-cert", str(pki.frontend.cert), "--tls-key", str(pki.frontend.key),
          "--engine-tls-ca", str(pki.ca.ca_path), "--engine-tls-cert", str(pki.frontend.cert),
@@ -355,7 +360,10 @@ def secure_stack(pki: Pki, tiny_llama_dir: str, tmp_path_factory: pytest.TempPat
     try:
         engine.wait_serving()
         frontend.wait_serving()
-        yield SecureStack(pki, engine, f"127.0.0.1:{engine_port}", frontend, f"127.0.0.1:{front_port}")
+        yield SecureStack(
+            pki, engine, f"127.0.0.1:{engine_port}", frontend, f"127.0.0.1:{front_port}",
+            (f"127.0.0.1:{engine_health}", f"127.0.0.1:{front_health}"),
+        )
     finally:
         for proc in (frontend, engine):
             with contextlib.suppress(Exception):
@@ -477,3 +485,19 @@ def test_the_frontend_channel_sends_the_engine_token_on_every_call_shape() -> No
                 await channel.close()
 
         assert asyncio.run(calls()) == (7, 1)
+
+
+def test_the_plain_text_health_port_serves_health_and_nothing_else(secure_stack: SecureStack) -> None:
+    """For probes that cannot speak TLS (Kubernetes' gRPC probes)."""
+    serving = health_pb2.HealthCheckResponse.SERVING
+    for address in secure_stack.health_addresses:
+        with grpc.insecure_channel(address) as ch:
+            check = health_pb2_grpc.HealthStub(ch).Check
+            for service in ("", "liveness", "readiness"):
+                assert check(health_pb2.HealthCheckRequest(service=service), timeout=10).status == serving
+            info = engine_pb2_grpc.EngineCoreStub(ch).GetEngineInfo
+            assert code_of(info, engine_pb2.GetEngineInfoRequest(), timeout=10) == grpc.StatusCode.UNIMPLEMENTED
+            generate = frontend_pb2_grpc.GenerationStub(ch).Tokenize
+            assert code_of(generate, frontend_pb2.TokenizeRequest(prompt="x"), timeout=10) == (
+                grpc.StatusCode.UNIMPLEMENTED
+            )
