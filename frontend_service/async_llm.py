@@ -28,9 +28,9 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from frontend_service.engine_client import (
     EngineConnection,
-    EngineGroup,
     EngineUnavailableError,
 )
+from frontend_service.engine_group import EngineGroup
 from frontend_service.input_processor import InputProcessor, ProcessedRequest
 from frontend_service.metrics import FrontendMetrics, SequenceTimes
 from frontend_service.output_processor import OutputProcessor
@@ -175,7 +175,7 @@ class AsyncLLM:
             if self._observing:
                 for req in processed.engine_requests:
                     self._seq_times[req.request_id] = SequenceTimes(arrival, len(req.prompt_token_ids))
-            engine = self.engines.pick()
+            engine = self.engines.pick(processed.engine_requests[0])
             stream = _Stream(asyncio.Queue(), engine, [r.request_id for r in processed.engine_requests])
             self.output_processor.add_processed(processed)
             self.streams[internal_id] = stream

@@ -2,9 +2,9 @@
 
 Each ``EngineConnection`` keeps one long-lived ``EngineCore.Stream`` to an engine
 service: requests and aborts go up as ``EngineCoreInput`` messages, and one
-``EngineCoreOutputs`` per engine step comes down. ``EngineGroup`` places each new
-request on the least-loaded live engine (vLLM's score: waiting x 4 + running) and
-keeps it there for its whole life.
+``EngineCoreOutputs`` per engine step comes down. ``engine_group.EngineGroup`` holds
+the connections, adds and removes engines, and places each new request on one of them
+for its whole life.
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ class EngineConnection:
         self.stub = engine_pb2_grpc.EngineCoreStub(self.channel)
         self.info: engine_pb2.GetEngineInfoResponse | None = None
         self.load = EngineLoad()
+        self.in_flight: set[str] = set()  # engine request ids sent here and not finished
         self.alive = False
         self.dead_reason = ""
         self._send: asyncio.Queue[engine_pb2.EngineCoreInput | None] = asyncio.Queue()
@@ -134,6 +135,9 @@ class EngineConnection:
                     self.load.running = outs.scheduler_stats.num_running_reqs
                     self.load.waiting = outs.scheduler_stats.num_waiting_reqs
                     self.load.in_flight_adds = 0
+                for out in outs.outputs:
+                    if out.finished:
+                        self.in_flight.discard(out.request_id)
                 self.on_outputs(self, outs)
         except grpc.aio.AioRpcError as exc:
             reason = f"{exc.code().name}: {exc.details()}"
@@ -146,6 +150,7 @@ class EngineConnection:
         if not self.alive:
             return
         self.alive = False
+        self.in_flight.clear()  # on_dead fails them all
         self.dead_reason = f"engine {self.index} at {self.address} is unavailable: {reason}"
         # Our own shutdown is not an error; anything else is.
         logger.log(logging.INFO if self._closing else logging.ERROR, self.dead_reason)
@@ -185,9 +190,11 @@ class EngineConnection:
                 self.dead_reason or f"engine at {self.address} is not connected"
             )
         self.load.in_flight_adds += 1
+        self.in_flight.add(request.request_id)
         self._send.put_nowait(convert.add_input(request))
 
     def abort(self, request_ids: list[str]) -> None:
+        self.in_flight.difference_update(request_ids)
         if self.alive and request_ids:
             self._send.put_nowait(convert.abort_input(request_ids))
 
@@ -198,62 +205,3 @@ class EngineConnection:
             if task is not None:
                 task.cancel()
         await self.channel.close()
-
-
-class EngineGroup:
-    """All engines of one frontend, and the placement of requests on them."""
-
-    def __init__(
-        self,
-        addresses: list[str],
-        client_index: int,
-        on_outputs: OutputsHandler,
-        on_dead: DeadHandler,
-        on_alive: AliveHandler | None = None,
-    ) -> None:
-        if not addresses:
-            raise ValueError("at least one engine address is required")
-        self.engines = [
-            EngineConnection(addr, i, client_index, on_outputs, on_dead, on_alive)
-            for i, addr in enumerate(addresses)
-        ]
-
-    async def connect(
-        self, tokenizer_fingerprint: str, timeout: float
-    ) -> engine_pb2.GetEngineInfoResponse:
-        """Reach every engine, check each serves our tokenizer, open the streams."""
-        infos = await asyncio.gather(*(e.fetch_info(timeout) for e in self.engines))
-        for engine, info in zip(self.engines, infos):
-            if tokenizer_fingerprint and info.tokenizer_fingerprint != tokenizer_fingerprint:
-                raise TokenizerMismatchError(
-                    f"engine at {engine.address} serves {info.model} whose tokenizer fingerprint "
-                    f"{info.tokenizer_fingerprint[:12]} differs from the frontend's "
-                    f"{tokenizer_fingerprint[:12]}: start both with the same model"
-                )
-        first = infos[0]
-        for engine, info in zip(self.engines[1:], infos[1:]):
-            if (info.max_model_len, info.vocab_size) != (first.max_model_len, first.vocab_size):
-                raise TokenizerMismatchError(
-                    f"engine at {engine.address} has max_model_len={info.max_model_len}, "
-                    f"vocab_size={info.vocab_size}; engine 0 has {first.max_model_len}, {first.vocab_size}"
-                )
-        for engine in self.engines:
-            await engine.open(tokenizer_fingerprint)
-        return first
-
-    @property
-    def any_alive(self) -> bool:
-        return any(e.alive for e in self.engines)
-
-    def pick(self) -> EngineConnection:
-        """The live engine with the lowest load score (ties: lowest index)."""
-        live = [e for e in self.engines if e.alive]
-        if not live:
-            reasons = "; ".join(
-                e.dead_reason or f"{e.address}: not connected" for e in self.engines
-            )
-            raise EngineUnavailableError(f"no engine is available ({reasons})")
-        return min(live, key=lambda e: (e.load.score, e.index))
-
-    async def close(self) -> None:
-        await asyncio.gather(*(e.close() for e in self.engines), return_exceptions=True)

@@ -7,7 +7,9 @@ import logging
 
 import grpc
 
+from frontend_service.discovery import InvalidTargetError
 from frontend_service.engine_client import EngineUnavailableError, TokenizerMismatchError
+from frontend_service.engine_group import EngineExistsError, EngineNotFoundError
 from tandem.protocol.convert import ConversionError, EngineDeadError
 from tandem.protocol.sampling_params import InvalidRequestError
 
@@ -16,10 +18,14 @@ logger = logging.getLogger(__name__)
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """Map an exception to (status code, message) for the client."""
-    if isinstance(exc, InvalidRequestError | ConversionError):
+    if isinstance(exc, InvalidRequestError | ConversionError | InvalidTargetError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, EngineUnavailableError | EngineDeadError):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, EngineExistsError):
+        return grpc.StatusCode.ALREADY_EXISTS, str(exc)
+    if isinstance(exc, EngineNotFoundError):
+        return grpc.StatusCode.NOT_FOUND, str(exc)
     if isinstance(exc, TokenizerMismatchError):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, asyncio.CancelledError):
