@@ -173,8 +173,8 @@ class EngineGroup:
     def add(self, address: str) -> EngineStatus:
         """Admin: make ``address`` a member (it joins once it passes the checks)."""
         address = normalize_address(address)
-        if address in self._members:
-            raise EngineExistsError(f"engine {address} is already a member ({self.state_of(self._members[address]).value})")
+        if address in self._members or (self._fingerprint is None and address in self._static):
+            raise EngineExistsError(f"engine {address} is already a member")
         self._excluded.discard(address)
         self._static.append(address)
         if self._fingerprint is None:  # connect() has not started: it will reach it
