@@ -39,7 +39,7 @@ from frontend_service.placement import (
     PrefixMemory,
     block_hashes,
 )
-from tandem.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
+from tandem.v1 import common_pb2, engine_pb2, engine_pb2_grpc, frontend_pb2, frontend_pb2_grpc
 from tests.e2e_helpers import ServiceProcess, free_port, start_engine, start_frontend
 
 pytest_plugins = ["tests.e2e_helpers"]
@@ -386,4 +386,42 @@ def test_admin_add_remove_list(two_engines: Engines, tiny_llama_dir: str, tmp_pa
         assert trickle.failures == []
     finally:
         channel.close()
+        frontend.stop()
+
+
+def _cached_tokens(stub: frontend_pb2_grpc.GenerationStub, prompt: list[int]) -> int:
+    request = frontend_pb2.GenerateRequest(
+        prompt_token_ids=frontend_pb2.TokenIds(token_ids=prompt),
+        sampling_params=common_pb2.SamplingParams(max_tokens=1, temperature=0.0),
+    )
+    return list(stub.Generate(request, timeout=60))[-1].usage.cached_tokens
+
+
+@pytest.mark.parametrize("policy", ["least-load", "prefix-aware"])
+def test_prefix_aware_placement_finds_the_cached_prefix(
+    two_engines: Engines, tiny_llama_dir: str, tmp_path: Path, policy: str
+) -> None:
+    """Sequential requests on idle engines: least-load alternates, so a shared prefix is
+    computed on both engines; prefix-aware sends the repeats where it is cached."""
+    a, b = two_engines.procs
+    for proc in (a, b):  # earlier tests may have cached anything
+        with grpc.insecure_channel(proc.address) as channel:
+            assert engine_pb2_grpc.EngineCoreStub(channel).ResetPrefixCache(
+                engine_pb2.ResetPrefixCacheRequest(), timeout=60
+            ).success
+    frontend = start_frontend(tiny_llama_dir, [a.address, b.address], tmp_path, name=f"frontend-{policy}",
+                              env={"TANDEM_PLACEMENT": policy, "TANDEM_CLIENT_INDEX": "2"})
+    try:
+        frontend.wait_serving()
+        with grpc.insecure_channel(frontend.address) as channel:
+            stub = frontend_pb2_grpc.GenerationStub(channel)
+            prefix = [(7 * i) % 900 + 10 for i in range(64)]  # 4 full blocks of 16
+            cached = [_cached_tokens(stub, [*prefix, 500 + i, 600 + i]) for i in range(4)]
+        assert cached[0] == 0
+        if policy == "prefix-aware":
+            assert cached[1:] == [64, 64, 64]
+        else:  # the second request lands on the other, cold engine
+            assert cached[1] == 0
+            assert cached[2:] == [64, 64]
+    finally:
         frontend.stop()
