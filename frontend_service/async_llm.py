@@ -29,9 +29,9 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from frontend_service.admission import PendingLimit, RequestFailedError, deadline_exceeded
 from frontend_service.engine_client import (
     EngineConnection,
-    EngineGroup,
     EngineUnavailableError,
 )
+from frontend_service.engine_group import EngineGroup
 from frontend_service.input_processor import InputProcessor, ProcessedRequest
 from frontend_service.metrics import FrontendMetrics, SequenceTimes
 from frontend_service.output_processor import OutputProcessor
@@ -193,7 +193,7 @@ class AsyncLLM:
 
     def _next_engine(self, stream: _Stream) -> EngineConnection | None:
         try:
-            return self.engines.pick(exclude=stream.tried)
+            return self.engines.pick(stream.requests[0], exclude=stream.tried)
         except EngineUnavailableError:
             return None
 
@@ -287,7 +287,7 @@ class AsyncLLM:
             if self._observing:
                 for req in processed.engine_requests:
                     self._seq_times[req.request_id] = SequenceTimes(arrival, len(req.prompt_token_ids))
-            engine = self.engines.pick()
+            engine = self.engines.pick(processed.engine_requests[0])
             stream = _Stream(
                 asyncio.Queue(), engine, [r.request_id for r in processed.engine_requests],
                 requests=processed.engine_requests,

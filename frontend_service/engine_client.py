@@ -2,17 +2,17 @@
 
 Each ``EngineConnection`` keeps one long-lived ``EngineCore.Stream`` to an engine
 service: requests and aborts go up as ``EngineCoreInput`` messages, and one
-``EngineCoreOutputs`` per engine step comes down. ``EngineGroup`` places each new
-request on the least-loaded live engine that is not draining (vLLM's score:
-waiting x 4 + running). AsyncLLM moves a request an engine refused before producing
-anything (RESOURCE_EXHAUSTED, or UNAVAILABLE while it drains) to another engine.
+``EngineCoreOutputs`` per engine step comes down. ``engine_group.EngineGroup`` holds
+the connections, adds and removes engines, and places each new request on one of them
+(never on one that is draining). AsyncLLM moves a request an engine refused before
+producing anything (RESOURCE_EXHAUSTED, or UNAVAILABLE while it drains) to another engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -80,6 +80,7 @@ class EngineConnection:
         self.stub = engine_pb2_grpc.EngineCoreStub(self.channel)
         self.info: engine_pb2.GetEngineInfoResponse | None = None
         self.load = EngineLoad()
+        self.in_flight: set[str] = set()  # engine request ids sent here and not finished
         self.alive = False
         # The engine said it is shutting down gracefully: it finishes what it has and
         # takes nothing new (EngineGroup.pick skips it). Cleared when it comes back.
@@ -144,6 +145,9 @@ class EngineConnection:
                 if outs.draining and not self.draining:
                     logger.info("engine %d at %s is draining: placing no new requests there", self.index, self.address)
                     self.draining = True
+                for out in outs.outputs:
+                    if out.finished:
+                        self.in_flight.discard(out.request_id)
                 self.on_outputs(self, outs)
         except grpc.aio.AioRpcError as exc:
             reason = f"{exc.code().name}: {exc.details()}"
@@ -156,6 +160,7 @@ class EngineConnection:
         if not self.alive:
             return
         self.alive = False
+        self.in_flight.clear()  # on_dead fails them all
         self.dead_reason = f"engine {self.index} at {self.address} is unavailable: {reason}"
         # Our own shutdown and a drained engine leaving are not errors; anything else is.
         logger.log(logging.INFO if self._closing or self.draining else logging.ERROR, self.dead_reason)
@@ -196,9 +201,11 @@ class EngineConnection:
                 self.dead_reason or f"engine at {self.address} is not connected"
             )
         self.load.in_flight_adds += 1
+        self.in_flight.add(request.request_id)
         self._send.put_nowait(convert.add_input(request))
 
     def abort(self, request_ids: list[str]) -> None:
+        self.in_flight.difference_update(request_ids)
         if self.alive and request_ids:
             self._send.put_nowait(convert.abort_input(request_ids))
 
@@ -209,69 +216,3 @@ class EngineConnection:
             if task is not None:
                 task.cancel()
         await self.channel.close()
-
-
-class EngineGroup:
-    """All engines of one frontend, and the placement of requests on them."""
-
-    def __init__(
-        self,
-        addresses: list[str],
-        client_index: int,
-        on_outputs: OutputsHandler,
-        on_dead: DeadHandler,
-        on_alive: AliveHandler | None = None,
-        channel: EngineChannelSecurity | None = None,
-    ) -> None:
-        """``channel``: TLS and token for every engine channel (None: plain text, no token)."""
-        if not addresses:
-            raise ValueError("at least one engine address is required")
-        self.channel = channel or EngineChannelSecurity()
-        self.engines = [
-            EngineConnection(addr, i, client_index, on_outputs, on_dead, on_alive, self.channel)
-            for i, addr in enumerate(addresses)
-        ]
-
-    async def connect(
-        self, tokenizer_fingerprint: str, timeout: float
-    ) -> engine_pb2.GetEngineInfoResponse:
-        """Reach every engine, check each serves our tokenizer, open the streams."""
-        infos = await asyncio.gather(*(e.fetch_info(timeout) for e in self.engines))
-        for engine, info in zip(self.engines, infos):
-            if tokenizer_fingerprint and info.tokenizer_fingerprint != tokenizer_fingerprint:
-                raise TokenizerMismatchError(
-                    f"engine at {engine.address} serves {info.model} whose tokenizer fingerprint "
-                    f"{info.tokenizer_fingerprint[:12]} differs from the frontend's "
-                    f"{tokenizer_fingerprint[:12]}: start both with the same model"
-                )
-        first = infos[0]
-        for engine, info in zip(self.engines[1:], infos[1:]):
-            if (info.max_model_len, info.vocab_size) != (first.max_model_len, first.vocab_size):
-                raise TokenizerMismatchError(
-                    f"engine at {engine.address} has max_model_len={info.max_model_len}, "
-                    f"vocab_size={info.vocab_size}; engine 0 has {first.max_model_len}, {first.vocab_size}"
-                )
-        for engine in self.engines:
-            await engine.open(tokenizer_fingerprint)
-        return first
-
-    @property
-    def any_alive(self) -> bool:
-        return any(e.alive for e in self.engines)
-
-    def pick(self, exclude: Collection[EngineConnection] = ()) -> EngineConnection:
-        """The live, non-draining engine with the lowest load score (ties: lowest index),
-        leaving out ``exclude`` (engines that already refused the request)."""
-        live = [e for e in self.engines if e.alive and e not in exclude]
-        if not live:
-            reasons = "; ".join(
-                e.dead_reason or f"{e.address}: not connected" for e in self.engines
-            )
-            raise EngineUnavailableError(f"no engine is available ({reasons})")
-        ready = [e for e in live if not e.draining]
-        if not ready:
-            raise EngineUnavailableError("every available engine is draining")
-        return min(ready, key=lambda e: (e.load.score, e.index))
-
-    async def close(self) -> None:
-        await asyncio.gather(*(e.close() for e in self.engines), return_exceptions=True)

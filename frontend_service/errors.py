@@ -18,7 +18,9 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from frontend_service.admission import RequestFailedError
+from frontend_service.discovery import InvalidTargetError
 from frontend_service.engine_client import EngineUnavailableError, TokenizerMismatchError
+from frontend_service.engine_group import EngineExistsError, EngineNotFoundError
 from tandem.protocol.convert import ConversionError, EngineDeadError
 from tandem.protocol.sampling_params import InvalidRequestError
 
@@ -32,12 +34,16 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """Map an exception to (status code, message) for the client."""
     if isinstance(exc, RequestFailedError):
         return _CODES_BY_NUMBER.get(int(exc.code), grpc.StatusCode.INTERNAL), exc.error.message
-    if isinstance(exc, InvalidRequestError | ConversionError):
+    if isinstance(exc, InvalidRequestError | ConversionError | InvalidTargetError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, EngineUnavailableError | EngineDeadError):
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, MemoryError):  # a size no validation foresaw: too big, not a bug
         return grpc.StatusCode.RESOURCE_EXHAUSTED, "the request needs more memory than the server has"
+    if isinstance(exc, EngineExistsError):
+        return grpc.StatusCode.ALREADY_EXISTS, str(exc)
+    if isinstance(exc, EngineNotFoundError):
+        return grpc.StatusCode.NOT_FOUND, str(exc)
     if isinstance(exc, TokenizerMismatchError):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, asyncio.CancelledError):

@@ -10,6 +10,7 @@ scheduler state are the engines' (``engine_service/metrics.py``).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -87,11 +88,35 @@ class FrontendMetrics:
             registry=registry,
         )
 
-    def watch_engine(self, index: int, address: str, is_up: Callable[[], bool]) -> None:
-        """Report ``is_up()`` as the engine's health, read at every scrape."""
+        self.engine_in_flight = Gauge(
+            "tandem:engine_in_flight_requests",
+            "This frontend's requests on the engine that have not finished.",
+            ["engine", "address"],
+            registry=registry,
+        )
+
+    def watch_engine(
+        self,
+        index: int,
+        address: str,
+        is_up: Callable[[], bool],
+        in_flight: Callable[[], int] | None = None,
+    ) -> None:
+        """Report ``is_up()`` as the engine's health (and ``in_flight()`` as its
+        requests), read at every scrape, until ``unwatch_engine``."""
         self.engine_healthy.labels(engine=str(index), address=address).set_function(
             lambda: 1.0 if is_up() else 0.0
         )
+        if in_flight is not None:
+            self.engine_in_flight.labels(engine=str(index), address=address).set_function(
+                lambda: float(in_flight())
+            )
+
+    def unwatch_engine(self, index: int, address: str) -> None:
+        """The engine left for good: drop its series (engines come and go with discovery)."""
+        for gauge in (self.engine_healthy, self.engine_in_flight):
+            with contextlib.suppress(KeyError):
+                gauge.remove(str(index), address)
 
     def record_finished(self, finish_reasons: Iterable[str], e2e_seconds: float) -> None:
         for reason in finish_reasons:

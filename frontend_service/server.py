@@ -17,18 +17,20 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
-from frontend_service import api
+from frontend_service import admin, api
 from frontend_service.admission import DEFAULT_MAX_PENDING_REQUESTS, PendingLimit
 from frontend_service.async_llm import AsyncLLM, PauseMode
+from frontend_service.discovery import InvalidTargetError, parse_target
 from frontend_service.engine_client import (
     EngineConnection,
-    EngineGroup,
     EngineUnavailableError,
     TokenizerMismatchError,
 )
+from frontend_service.engine_group import DEFAULT_DISCOVERY_INTERVAL, EngineGroup
 from frontend_service.errors import abort_with
 from frontend_service.input_processor import InputProcessor
 from frontend_service.metrics import FrontendMetrics
+from frontend_service.placement import PlacementConfig, PlacementPolicy
 from tandem import telemetry
 from tandem.grpc_guard import MalformedRequestGuard
 from tandem.grpc_server import BindError, MessageLimits, ServiceServer, add_health_port_cli
@@ -62,7 +64,8 @@ class FrontendConfig:
     """Settings of one frontend service; each is a flag and a TANDEM_* env var."""
 
     model: str = ""  # checkpoint directory whose tokenizer files the frontend loads
-    engines: list[str] = field(default_factory=list)  # engine HOST:PORT addresses
+    # engine targets: HOST:PORT, dns:///NAME:PORT or file:///PATH (see discovery.py)
+    engines: list[str] = field(default_factory=list)
     host: str = "0.0.0.0"
     port: int = 50051
     client_index: int = 0  # tells engines which frontend a request came from
@@ -77,6 +80,8 @@ class FrontendConfig:
     # Seconds in-flight streams get to finish after SIGTERM/SIGINT; the rest then
     # fail with UNAVAILABLE.
     drain_timeout: float = 30.0
+    discovery_interval: float = DEFAULT_DISCOVERY_INTERVAL  # seconds between dns:/// and file:/// lookups
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
 
 class GenerationServicer(frontend_pb2_grpc.GenerationServicer):
@@ -219,7 +224,7 @@ async def serve_frontend(
 ) -> int:
     """Run until SIGTERM/SIGINT. ``tracing``: where request spans go (None: no spans)."""
     if not config.engines:
-        raise ValueError("the frontend needs at least one --engine HOST:PORT")
+        raise ValueError("the frontend needs at least one --engine HOST:PORT, dns:///NAME:PORT or file:///PATH")
     metrics_server = None
     metrics = None
     if config.metrics_port:
@@ -251,7 +256,7 @@ async def _serve_frontend(
         health_port=config.health_port
     )
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    server.enable_reflection((SERVICE_NAME,))
+    server.enable_reflection((SERVICE_NAME, admin.SERVICE_NAME))
     bound = server.port
     service_health = ServiceHealth(health_servicer, SERVICE_NAME)
     await service_health.loading()
@@ -272,20 +277,34 @@ async def _serve_frontend(
         background.add(task)
         task.add_done_callback(background.discard)
 
+    def on_change() -> None:
+        if "llm" in holder:  # before start-up completes, health stays NOT_SERVING
+            set_health(group.any_alive)
+
     def on_dead(engine: EngineConnection, reason: str) -> None:
-        holder["llm"].on_engine_dead(engine, reason)
-        if not group.any_alive:
-            set_health(False)
+        if "llm" in holder:
+            holder["llm"].on_engine_dead(engine, reason)
+        on_change()
 
     def on_alive(engine: EngineConnection) -> None:
-        set_health(True)
+        on_change()
+
+    def on_join(engine: EngineConnection) -> None:
+        if metrics is not None:
+            metrics.watch_engine(
+                engine.index, engine.address, lambda: engine.alive, lambda: len(engine.in_flight)
+            )
+
+    def on_leave(engine: EngineConnection) -> None:
+        if metrics is not None:
+            metrics.unwatch_engine(engine.index, engine.address)
 
     group = EngineGroup(
-        config.engines, config.client_index, on_outputs, on_dead, on_alive, channel=config.engine_channel
+        config.engines, config.client_index, on_outputs, on_dead, on_alive,
+        discovery_interval=config.discovery_interval, placement=config.placement,
+        on_join=on_join, on_leave=on_leave, on_change=on_change, channel=config.engine_channel,
     )
-    if metrics is not None:
-        for engine in group.engines:
-            metrics.watch_engine(engine.index, engine.address, lambda e=engine: e.alive)
+    frontend_pb2_grpc.add_FrontendAdminServicer_to_server(admin.FrontendAdminServicer(group), server)
     try:
         info = await group.connect(fingerprint, config.connect_timeout)
     except BaseException:
@@ -309,7 +328,7 @@ async def _serve_frontend(
     servicer.attach(llm, model_name, info)
     signals = StopSignals().install()
     await service_health.ready()
-    logger.info("frontend SERVING on %s:%d with %d engine(s)", config.host, bound, len(config.engines))
+    logger.info("frontend SERVING on %s:%d with %d engine(s)", config.host, bound, len(group.placeable()))
     if ready is not None:
         ready.set()
 
@@ -366,8 +385,18 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                        description="Run the frontend (tokenization, request handling) as a gRPC "
                        "service in front of one or more engines.")
     p.add_argument("--engine", dest="engines", action="append", default=None,
-                   help="Engine address HOST:PORT; repeat for several (env TANDEM_ENGINES, "
-                   "comma-separated); default: none, at least one is required.")
+                   help="Engine target; repeat for several (env TANDEM_ENGINES, comma-separated): HOST:PORT, "
+                        "dns:///NAME:PORT (every address NAME resolves to) or file:///PATH (one HOST:PORT "
+                        "per line); names and files are looked up again every --discovery-interval.")
+    p.add_argument("--discovery-interval", type=_positive_seconds,
+                   default=float(env("TANDEM_DISCOVERY_INTERVAL", str(DEFAULT_DISCOVERY_INTERVAL))),
+                   help="Seconds between lookups of dns:/// and file:/// engine targets "
+                        f"(env TANDEM_DISCOVERY_INTERVAL; default {DEFAULT_DISCOVERY_INTERVAL:g}).")
+    p.add_argument("--placement", choices=[p.value for p in PlacementPolicy],
+                   default=env("TANDEM_PLACEMENT", PlacementPolicy.LEAST_LOAD.value),
+                   help="How requests are placed on engines: least-load (lowest load score, ties take "
+                        "turns) or prefix-aware (prefer the engine that was sent the same prompt prefix, "
+                        "within a load slack) (env TANDEM_PLACEMENT; default least-load).")
     p.add_argument("--model", default=env("TANDEM_MODEL", ""),
                    help="Local checkpoint directory for the tokenizer (env TANDEM_MODEL); default: the demo model.")
     p.add_argument("--host", default=env("TANDEM_FRONTEND_HOST", "0.0.0.0"),
@@ -397,8 +426,20 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=run_cli)
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
+
+
 def config_from_args(args: argparse.Namespace) -> FrontendConfig:
     engines = args.engines or [e for e in os.environ.get("TANDEM_ENGINES", "").split(",") if e]
+    for target in engines:
+        parse_target(target)  # a malformed target ends start-up with one line
     model = args.model
     if not model:
         try:
@@ -419,6 +460,8 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         engine_channel=engine_channel_from_args(args),
         max_pending_requests=args.max_pending_requests,
         drain_timeout=args.drain_timeout,
+        discovery_interval=args.discovery_interval,
+        placement=PlacementConfig(policy=PlacementPolicy(args.placement)),
     )
 
 
@@ -426,7 +469,7 @@ def run_cli(args: argparse.Namespace) -> int:
     tracing = telemetry.tracing_from_env("tandem-frontend")
     try:
         return asyncio.run(serve_frontend(config_from_args(args), tracing=tracing))
-    except (EngineUnavailableError, TokenizerMismatchError, BindError, SecurityConfigError) as exc:
+    except (EngineUnavailableError, TokenizerMismatchError, InvalidTargetError, BindError, SecurityConfigError) as exc:
         logger.error("cannot start the frontend: %s", exc)
         return 1
     finally:

@@ -47,7 +47,7 @@ class FakeGroup:
     def __init__(self, *engines: FakeEngine) -> None:
         self.engines = list(engines)
 
-    def pick(self, exclude: Collection[FakeEngine] = ()) -> FakeEngine:
+    def pick(self, request: object = None, exclude: Collection[FakeEngine] = ()) -> FakeEngine:
         for engine in self.engines:
             if engine not in exclude:
                 return engine

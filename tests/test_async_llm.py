@@ -27,7 +27,7 @@ class FakeEngine:
         self.added: list[EngineCoreRequest] = []
         self.aborted: list[str] = []
 
-    def pick(self) -> FakeEngine:
+    def pick(self, request: EngineCoreRequest | None = None, exclude: object = ()) -> FakeEngine:
         return self
 
     def add_request(self, request: EngineCoreRequest) -> None:

@@ -19,11 +19,8 @@ from engine_service.server import EngineServerConfig
 from engine_service.watchdog import StepWatchdog
 from frontend_service.admission import RequestFailedError
 from frontend_service.async_llm import AsyncLLM
-from frontend_service.engine_client import (
-    EngineConnection,
-    EngineGroup,
-    EngineUnavailableError,
-)
+from frontend_service.engine_client import EngineConnection, EngineUnavailableError
+from frontend_service.engine_group import EngineGroup
 from frontend_service.errors import status_for
 from frontend_service.input_processor import InputProcessor
 from tandem.health import LIVENESS, NOT_SERVING, READINESS, SERVING, ServiceHealth
@@ -247,8 +244,12 @@ def _sent_adds(engine: EngineConnection) -> list[str]:
 
 
 def _group(n: int = 2) -> EngineGroup:
-    group = EngineGroup([f"127.0.0.1:{9 + i}" for i in range(n)], 0, lambda e, o: None, lambda e, r: None)
-    for engine in group.engines:
+    """Members that joined (no sockets: adds queue up on each connection's send queue)."""
+    addresses = [f"127.0.0.1:{9 + i}" for i in range(n)]
+    group = EngineGroup(addresses, 0, lambda e, o: None, lambda e, r: None)
+    for address in addresses:
+        engine = group._new_member(address)
+        group._admitted.add(address)
         engine.alive = True
     return group
 

@@ -13,9 +13,22 @@ class PauseMode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PAUSE_MODE_UNSPECIFIED: _ClassVar[PauseMode]
     PAUSE_MODE_ABORT: _ClassVar[PauseMode]
     PAUSE_MODE_WAIT: _ClassVar[PauseMode]
+
+class EngineState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ENGINE_STATE_UNSPECIFIED: _ClassVar[EngineState]
+    ENGINE_STATE_CONNECTING: _ClassVar[EngineState]
+    ENGINE_STATE_SERVING: _ClassVar[EngineState]
+    ENGINE_STATE_DRAINING: _ClassVar[EngineState]
+    ENGINE_STATE_DEAD: _ClassVar[EngineState]
 PAUSE_MODE_UNSPECIFIED: PauseMode
 PAUSE_MODE_ABORT: PauseMode
 PAUSE_MODE_WAIT: PauseMode
+ENGINE_STATE_UNSPECIFIED: EngineState
+ENGINE_STATE_CONNECTING: EngineState
+ENGINE_STATE_SERVING: EngineState
+ENGINE_STATE_DRAINING: EngineState
+ENGINE_STATE_DEAD: EngineState
 
 class TokenIds(_message.Message):
     __slots__ = ("token_ids",)
@@ -214,3 +227,57 @@ class IsPausedResponse(_message.Message):
     PAUSED_FIELD_NUMBER: _ClassVar[int]
     paused: bool
     def __init__(self, paused: _Optional[bool] = ...) -> None: ...
+
+class EngineStatus(_message.Message):
+    __slots__ = ("address", "index", "state", "num_running_reqs", "num_waiting_reqs", "load_score", "num_in_flight", "detail")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_REQS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_REQS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SCORE_FIELD_NUMBER: _ClassVar[int]
+    NUM_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    index: int
+    state: EngineState
+    num_running_reqs: int
+    num_waiting_reqs: int
+    load_score: int
+    num_in_flight: int
+    detail: str
+    def __init__(self, address: _Optional[str] = ..., index: _Optional[int] = ..., state: _Optional[_Union[EngineState, str]] = ..., num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., load_score: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class AddEngineRequest(_message.Message):
+    __slots__ = ("address",)
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    def __init__(self, address: _Optional[str] = ...) -> None: ...
+
+class AddEngineResponse(_message.Message):
+    __slots__ = ("engine",)
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    engine: EngineStatus
+    def __init__(self, engine: _Optional[_Union[EngineStatus, _Mapping]] = ...) -> None: ...
+
+class RemoveEngineRequest(_message.Message):
+    __slots__ = ("address",)
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    def __init__(self, address: _Optional[str] = ...) -> None: ...
+
+class RemoveEngineResponse(_message.Message):
+    __slots__ = ("engine",)
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    engine: EngineStatus
+    def __init__(self, engine: _Optional[_Union[EngineStatus, _Mapping]] = ...) -> None: ...
+
+class ListEnginesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListEnginesResponse(_message.Message):
+    __slots__ = ("engines",)
+    ENGINES_FIELD_NUMBER: _ClassVar[int]
+    engines: _containers.RepeatedCompositeFieldContainer[EngineStatus]
+    def __init__(self, engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ...) -> None: ...

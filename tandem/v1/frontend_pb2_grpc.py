@@ -419,3 +419,183 @@ class Generation:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class FrontendAdminStub:
+    """Admin: the engines behind this frontend, changed at run time. Every method is an
+    admin call. Errors: INVALID_ARGUMENT (an address that is not HOST:PORT or
+    [V6ADDR]:PORT), ALREADY_EXISTS (AddEngine of a member), NOT_FOUND (RemoveEngine of
+    an address that is no member, or is already leaving).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.AddEngine = channel.unary_unary(
+                '/tandem.v1.FrontendAdmin/AddEngine',
+                request_serializer=tandem_dot_v1_dot_frontend__pb2.AddEngineRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_frontend__pb2.AddEngineResponse.FromString,
+                _registered_method=True)
+        self.RemoveEngine = channel.unary_unary(
+                '/tandem.v1.FrontendAdmin/RemoveEngine',
+                request_serializer=tandem_dot_v1_dot_frontend__pb2.RemoveEngineRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_frontend__pb2.RemoveEngineResponse.FromString,
+                _registered_method=True)
+        self.ListEngines = channel.unary_unary(
+                '/tandem.v1.FrontendAdmin/ListEngines',
+                request_serializer=tandem_dot_v1_dot_frontend__pb2.ListEnginesRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_frontend__pb2.ListEnginesResponse.FromString,
+                _registered_method=True)
+
+
+class FrontendAdminServicer:
+    """Admin: the engines behind this frontend, changed at run time. Every method is an
+    admin call. Errors: INVALID_ARGUMENT (an address that is not HOST:PORT or
+    [V6ADDR]:PORT), ALREADY_EXISTS (AddEngine of a member), NOT_FOUND (RemoveEngine of
+    an address that is no member, or is already leaving).
+    """
+
+    def AddEngine(self, request, context):
+        """Adds an engine. It takes requests once it answers GetEngineInfo, is not
+        loading or draining, serves the frontend's tokenizer, and has the same
+        max_model_len and vocab_size as the first engine; until then it is
+        ENGINE_STATE_CONNECTING. An address removed earlier with RemoveEngine is
+        discovered again after this.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveEngine(self, request, context):
+        """Removes an engine: it gets no new request, its in-flight requests finish,
+        then the frontend disconnects from it. Returns at once (the engine is then
+        ENGINE_STATE_DRAINING). Discovery (dns:///, file:///) does not add the
+        address back until AddEngine.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListEngines(self, request, context):
+        """Every engine the frontend knows and its state.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_FrontendAdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'AddEngine': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddEngine,
+                    request_deserializer=tandem_dot_v1_dot_frontend__pb2.AddEngineRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_frontend__pb2.AddEngineResponse.SerializeToString,
+            ),
+            'RemoveEngine': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveEngine,
+                    request_deserializer=tandem_dot_v1_dot_frontend__pb2.RemoveEngineRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_frontend__pb2.RemoveEngineResponse.SerializeToString,
+            ),
+            'ListEngines': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListEngines,
+                    request_deserializer=tandem_dot_v1_dot_frontend__pb2.ListEnginesRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_frontend__pb2.ListEnginesResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'tandem.v1.FrontendAdmin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('tandem.v1.FrontendAdmin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class FrontendAdmin:
+    """Admin: the engines behind this frontend, changed at run time. Every method is an
+    admin call. Errors: INVALID_ARGUMENT (an address that is not HOST:PORT or
+    [V6ADDR]:PORT), ALREADY_EXISTS (AddEngine of a member), NOT_FOUND (RemoveEngine of
+    an address that is no member, or is already leaving).
+    """
+
+    @staticmethod
+    def AddEngine(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.FrontendAdmin/AddEngine',
+            tandem_dot_v1_dot_frontend__pb2.AddEngineRequest.SerializeToString,
+            tandem_dot_v1_dot_frontend__pb2.AddEngineResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveEngine(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.FrontendAdmin/RemoveEngine',
+            tandem_dot_v1_dot_frontend__pb2.RemoveEngineRequest.SerializeToString,
+            tandem_dot_v1_dot_frontend__pb2.RemoveEngineResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListEngines(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.FrontendAdmin/ListEngines',
+            tandem_dot_v1_dot_frontend__pb2.ListEnginesRequest.SerializeToString,
+            tandem_dot_v1_dot_frontend__pb2.ListEnginesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
