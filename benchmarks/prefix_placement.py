@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import random
 import socket
 import subprocess
@@ -32,6 +33,9 @@ from tandem.v1 import common_pb2, engine_pb2, engine_pb2_grpc, frontend_pb2, fro
 
 ENGINE_ARGS = ("--max-model-len", "1024", "--kv-cache-memory-bytes", "20000000", "--num-threads", "1")
 
+
+# Given to the services it starts, so it may reset the engines' prefix caches.
+ADMIN_TOKEN = "prefix-placement-benchmark"
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -63,6 +67,7 @@ def service(args: list[str], log: Path, timeout: float) -> Iterator[str]:
             [sys.executable, "-m", "tandem.cli", *args, "--host", "127.0.0.1", "--port", str(port),
              "--metrics-port", "0"],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, "TANDEM_ADMIN_TOKEN": ADMIN_TOKEN},
         )
     try:
         wait_serving(address, proc, timeout)
@@ -120,7 +125,10 @@ async def run_workload(address: str, prompts: list[list[int]], concurrency: int)
 def reset_caches(engines: list[str]) -> None:
     for address in engines:
         with grpc.insecure_channel(address) as channel:
-            engine_pb2_grpc.EngineCoreStub(channel).ResetPrefixCache(engine_pb2.ResetPrefixCacheRequest(), timeout=60)
+            engine_pb2_grpc.EngineCoreStub(channel).ResetPrefixCache(
+                engine_pb2.ResetPrefixCacheRequest(), timeout=60,
+                metadata=(("authorization", f"Bearer {ADMIN_TOKEN}"),),
+            )
 
 
 def main() -> None:

@@ -387,7 +387,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine", dest="engines", action="append", default=None,
                    help="Engine target; repeat for several (env TANDEM_ENGINES, comma-separated): HOST:PORT, "
                         "dns:///NAME:PORT (every address NAME resolves to) or file:///PATH (one HOST:PORT "
-                        "per line); names and files are looked up again every --discovery-interval.")
+                        "per line); names and files are looked up again every --discovery-interval. Default: "
+                        "none, at least one is required.")
     p.add_argument("--discovery-interval", type=_positive_seconds,
                    default=float(env("TANDEM_DISCOVERY_INTERVAL", str(DEFAULT_DISCOVERY_INTERVAL))),
                    help="Seconds between lookups of dns:/// and file:/// engine targets "

@@ -40,7 +40,13 @@ from frontend_service.placement import (
     block_hashes,
 )
 from tandem.v1 import common_pb2, engine_pb2, engine_pb2_grpc, frontend_pb2, frontend_pb2_grpc
-from tests.e2e_helpers import ServiceProcess, free_port, start_engine, start_frontend
+from tests.e2e_helpers import (
+    ADMIN_METADATA,
+    ServiceProcess,
+    free_port,
+    start_engine,
+    start_frontend,
+)
 
 pytest_plugins = ["tests.e2e_helpers"]
 
@@ -299,7 +305,7 @@ def admin_stub(frontend: ServiceProcess) -> tuple[grpc.Channel, frontend_pb2_grp
 
 def listed(stub: frontend_pb2_grpc.FrontendAdminStub) -> dict[str, int]:
     """address -> EngineState of every engine the frontend lists."""
-    reply = stub.ListEngines(frontend_pb2.ListEnginesRequest(), timeout=10)
+    reply = stub.ListEngines(frontend_pb2.ListEnginesRequest(), timeout=10, metadata=ADMIN_METADATA)
     return {e.address: e.state for e in reply.engines}
 
 
@@ -350,22 +356,22 @@ def test_admin_add_remove_list(two_engines: Engines, tiny_llama_dir: str, tmp_pa
     try:
         frontend.wait_serving()
         for bad, code in (
-            (lambda: admin.AddEngine(frontend_pb2.AddEngineRequest(address="nope"), timeout=10),
+            (lambda: admin.AddEngine(frontend_pb2.AddEngineRequest(address="nope"), timeout=10, metadata=ADMIN_METADATA),
              grpc.StatusCode.INVALID_ARGUMENT),
-            (lambda: admin.AddEngine(frontend_pb2.AddEngineRequest(address=a.address), timeout=10),
+            (lambda: admin.AddEngine(frontend_pb2.AddEngineRequest(address=a.address), timeout=10, metadata=ADMIN_METADATA),
              grpc.StatusCode.ALREADY_EXISTS),
-            (lambda: admin.RemoveEngine(frontend_pb2.RemoveEngineRequest(address=b.address), timeout=10),
+            (lambda: admin.RemoveEngine(frontend_pb2.RemoveEngineRequest(address=b.address), timeout=10, metadata=ADMIN_METADATA),
              grpc.StatusCode.NOT_FOUND),
         ):
             with pytest.raises(grpc.RpcError) as info:
                 bad()
             assert info.value.code() == code, info.value.details()
 
-        added = admin.AddEngine(frontend_pb2.AddEngineRequest(address=b.address), timeout=10).engine
+        added = admin.AddEngine(frontend_pb2.AddEngineRequest(address=b.address), timeout=10, metadata=ADMIN_METADATA).engine
         assert (added.address, added.state) == (b.address, frontend_pb2.ENGINE_STATE_CONNECTING)
         wait_for(lambda: listed(admin).get(b.address) == frontend_pb2.ENGINE_STATE_SERVING,
                  "the added engine to serve", frontend)
-        engines = admin.ListEngines(frontend_pb2.ListEnginesRequest(), timeout=10).engines
+        engines = admin.ListEngines(frontend_pb2.ListEnginesRequest(), timeout=10, metadata=ADMIN_METADATA).engines
         assert [(e.address, e.index) for e in engines] == [(a.address, 0), (b.address, 1)]
 
         # Idle engines tie: sequential requests take turns instead of all landing on engine 0.
@@ -375,11 +381,11 @@ def test_admin_add_remove_list(two_engines: Engines, tiny_llama_dir: str, tmp_pa
         assert trickle.failures == []
         assert finished_requests(b_metrics) >= b_before + 1
 
-        removed = admin.RemoveEngine(frontend_pb2.RemoveEngineRequest(address=a.address), timeout=10).engine
+        removed = admin.RemoveEngine(frontend_pb2.RemoveEngineRequest(address=a.address), timeout=10, metadata=ADMIN_METADATA).engine
         assert removed.state == frontend_pb2.ENGINE_STATE_DRAINING
         wait_for(lambda: a.address not in listed(admin), "the removed engine to leave", frontend)
         with pytest.raises(grpc.RpcError) as info:
-            admin.RemoveEngine(frontend_pb2.RemoveEngineRequest(address=a.address), timeout=10)
+            admin.RemoveEngine(frontend_pb2.RemoveEngineRequest(address=a.address), timeout=10, metadata=ADMIN_METADATA)
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
         with Trickle(frontend.address) as trickle:
             trickle.wait_ok(2, frontend)
@@ -407,7 +413,7 @@ def test_prefix_aware_placement_finds_the_cached_prefix(
     for proc in (a, b):  # earlier tests may have cached anything
         with grpc.insecure_channel(proc.address) as channel:
             assert engine_pb2_grpc.EngineCoreStub(channel).ResetPrefixCache(
-                engine_pb2.ResetPrefixCacheRequest(), timeout=60
+                engine_pb2.ResetPrefixCacheRequest(), timeout=60, metadata=ADMIN_METADATA
             ).success
     frontend = start_frontend(tiny_llama_dir, [a.address, b.address], tmp_path, name=f"frontend-{policy}",
                               env={"TANDEM_PLACEMENT": policy, "TANDEM_CLIENT_INDEX": "2"})

@@ -24,7 +24,8 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from frontend_service.engine_client import EngineGroup, EngineUnavailableError
+from frontend_service.engine_client import EngineUnavailableError
+from frontend_service.engine_group import EngineGroup
 from tandem.grpc_server import BindError, MessageLimits, ServiceServer
 from tandem.protocol import convert
 from tandem.security import (
