@@ -5,7 +5,10 @@ there, so a wrong choice shows up as an error, not as a silently different path.
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -98,3 +101,23 @@ def test_tandem_run_bfloat16_without_the_isa(
     out = capsys.readouterr().out
     assert rc == 0
     assert "--- 'hello there'" in out and "tokens in" in out
+
+
+def test_tandem_run_bfloat16_with_onednn_limited_to_avx2(tiny_llama_dir: str) -> None:
+    """The real thing, not a monkeypatch: oneDNN capped at AVX2 (``ONEDNN_MAX_CPU_ISA``)
+    refuses bf16 packing with torch's own error on any CPU, as on an AVX2-only one, and
+    ATen runs its AVX2 kernels (``ATEN_CPU_CAPABILITY``)."""
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    probe = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.ops.mkldnn._is_mkldnn_bf16_supported())"],
+        env=env, capture_output=True, text=True, timeout=120, check=True,
+    )
+    assert probe.stdout.strip() == "False"
+    run = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "run", "--model", tiny_llama_dir, "--dtype", "bfloat16",
+         "--max-tokens", "5", "--max-model-len", "128", "--num-gpu-blocks-override", "32", "hello there"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "--- 'hello there'" in run.stdout and "tokens in" in run.stdout
+    assert "Traceback" not in run.stderr
