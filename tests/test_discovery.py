@@ -355,7 +355,14 @@ def test_admin_add_remove_list(two_engines: Engines, tiny_llama_dir: str, tmp_pa
     channel, admin = admin_stub(frontend)
     try:
         frontend.wait_serving()
+        add_b = frontend_pb2.AddEngineRequest(address=b.address)
+        wrong = (("authorization", "Bearer not-the-token"),)
         for bad, code in (
+            # Without the admin token nothing changes: the call never reaches the servicer.
+            (lambda: admin.AddEngine(add_b, timeout=10), grpc.StatusCode.UNAUTHENTICATED),
+            (lambda: admin.AddEngine(add_b, timeout=10, metadata=wrong), grpc.StatusCode.PERMISSION_DENIED),
+            (lambda: admin.ListEngines(frontend_pb2.ListEnginesRequest(), timeout=10),
+             grpc.StatusCode.UNAUTHENTICATED),
             (lambda: admin.AddEngine(frontend_pb2.AddEngineRequest(address="nope"), timeout=10, metadata=ADMIN_METADATA),
              grpc.StatusCode.INVALID_ARGUMENT),
             (lambda: admin.AddEngine(frontend_pb2.AddEngineRequest(address=a.address), timeout=10, metadata=ADMIN_METADATA),
