@@ -30,6 +30,7 @@ from typing import Any
 
 from engine_service.admission import RequestRejected
 from engine_service.core import EngineCore
+from engine_service.cpu import release_free_memory
 from tandem.protocol.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -42,6 +43,9 @@ from tandem.protocol.outputs import (
 from tandem.protocol.sampling_params import InvalidRequestError
 
 logger = logging.getLogger(__name__)
+
+# Seconds without work after which the loop gives the heap's free pages back to the OS.
+IDLE_RELEASE_S = 1.0
 
 
 class InputType(enum.Enum):
@@ -93,6 +97,7 @@ class EngineCoreLoop:
         # idle loop blocks on ``inputs`` without beating; only a busy one must beat.
         self.heartbeat = time.monotonic()
         self.busy = False
+        self._released = False  # the heap's free pages were given back since the last step
 
     def start(self) -> None:
         self._thread.start()
@@ -133,6 +138,7 @@ class EngineCoreLoop:
                     return
                 self._beat(core)
                 if core.has_unfinished_requests():
+                    self._released = False
                     self.outputs.put(core.step())
                     self._beat(core)  # before it may block: an idle loop is not busy
                 else:
@@ -149,9 +155,19 @@ class EngineCoreLoop:
         self.heartbeat = time.monotonic()
 
     def _drain_inputs(self, core: EngineCore, block: bool) -> bool:
-        """Apply every queued input; wait for one first if ``block``. False on shutdown."""
+        """Apply every queued input; wait for one first if ``block``. False on shutdown.
+
+        Idle for ``IDLE_RELEASE_S`` after work: the heap's free pages go back to the OS."""
         try:
-            item = self.inputs.get(block=block)
+            if block and not self._released:
+                try:
+                    item = self.inputs.get(timeout=IDLE_RELEASE_S)
+                except queue.Empty:
+                    self._released = True
+                    release_free_memory()
+                    item = self.inputs.get()
+            else:
+                item = self.inputs.get(block=block)
         except queue.Empty:
             return True
         while True:

@@ -42,3 +42,18 @@ def keep_freed_memory_mapped() -> bool:
     if not ok:
         logger.debug("mallopt refused the thresholds; keeping glibc's defaults")
     return ok
+
+
+def release_free_memory() -> bool:
+    """Give the heap's free pages back to the OS (glibc ``malloc_trim``); False where
+    there is no glibc. ``keep_freed_memory_mapped`` keeps them while the engine is busy
+    (re-faulting them every step is slow); an idle engine calls this once, so its RSS
+    is what it holds, not its busiest moment's high-water mark."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError):
+        return False
+    return True

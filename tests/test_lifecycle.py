@@ -7,13 +7,14 @@ from __future__ import annotations
 import asyncio
 import signal
 import threading
+import time
 from typing import Any
 
 import grpc
 import pytest
 from grpc_health.v1 import health
 
-from engine_service import lifecycle
+from engine_service import core_loop, lifecycle
 from engine_service.core_loop import EngineCoreLoop, EngineDead
 from engine_service.server import EngineServerConfig
 from engine_service.watchdog import StepWatchdog
@@ -119,6 +120,34 @@ def test_watchdog_finds_a_real_loop_hung_in_a_step_but_not_an_idle_one() -> None
             loop.shutdown()
 
     assert "engine step loop hung" in asyncio.run(scenario())
+
+
+def test_an_idle_loop_gives_free_memory_back_once_per_idle_spell(monkeypatch: pytest.MonkeyPatch) -> None:
+    released = threading.Semaphore(0)
+    calls: list[float] = []
+
+    def release() -> bool:
+        calls.append(time.monotonic())
+        released.release()
+        return True
+
+    monkeypatch.setattr(core_loop, "release_free_memory", release)
+    monkeypatch.setattr(core_loop, "IDLE_RELEASE_S", 0.05)
+    core = HangingCore()
+    core.release.set()  # steps return at once
+    loop = EngineCoreLoop(lambda: core)  # type: ignore[arg-type, return-value]
+    loop.start()
+    try:
+        loop.started.result(timeout=WAIT)
+        assert released.acquire(timeout=WAIT)  # after start-up, once idle
+        time.sleep(0.3)
+        assert len(calls) == 1  # still idle: not again
+        loop.add_request(_request())
+        assert released.acquire(timeout=WAIT)  # the step ran, then idle again
+        time.sleep(0.3)
+        assert len(calls) == 2
+    finally:
+        loop.shutdown()
 
 
 # ---- the engine's life after start-up -----------------------------------------------------
