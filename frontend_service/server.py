@@ -262,7 +262,6 @@ async def _serve_frontend(
     await service_health.loading()
     servicer = GenerationServicer(fingerprint)
     frontend_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
-    await server.start()
 
     holder: dict[str, AsyncLLM] = {}
     background: set[asyncio.Task[None]] = set()
@@ -305,6 +304,7 @@ async def _serve_frontend(
         on_join=on_join, on_leave=on_leave, on_change=on_change, channel=config.engine_channel,
     )
     frontend_pb2_grpc.add_FrontendAdminServicer_to_server(admin.FrontendAdminServicer(group), server)
+    await server.start()  # every servicer registered first: gRPC takes none once started
     try:
         info = await group.connect(fingerprint, config.connect_timeout)
     except BaseException:

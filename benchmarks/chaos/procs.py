@@ -9,9 +9,7 @@ process that started it dies (PR_SET_PDEATHSIG), so an interrupted run leaks not
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -23,22 +21,18 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tandem.parent_death import guarded
 from tandem.v1 import engine_pb2, engine_pb2_grpc
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 # Small enough for 2 shared cores: one torch thread, a ~2400-block KV cache.
 DEFAULT_ENGINE_ARGS = ("--max-model-len", "1024", "--kv-cache-memory-bytes", "20000000", "--num-threads", "1")
-_PR_SET_PDEATHSIG = 1
 
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _child_env() -> dict[str, str]:
@@ -62,10 +56,12 @@ class Service:
         """Call from a long-lived thread: the kernel's parent-death signal follows the
         thread that forked, so a child started from a pool thread dies with that thread."""
         with open(self.log_path, "ab") as log:
+            # Through the parent-death launcher, not a preexec_fn: a fork of this process
+            # (gRPC threads busy in a test run) would run gRPC's fork handlers in the child.
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tandem.cli", *self.args],
+                guarded([sys.executable, "-m", "tandem.cli", *self.args]),
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=_child_env(), preexec_fn=_die_with_parent,
+                env=_child_env(),
             )
 
     @property
