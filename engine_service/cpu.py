@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 
 logger = logging.getLogger(__name__)
@@ -12,6 +13,18 @@ logger = logging.getLogger(__name__)
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library, looked up once (``find_library`` runs ``ldconfig``); None if absent."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        return ctypes.CDLL(name)
+    except OSError:
+        return None
 
 
 def keep_freed_memory_mapped() -> bool:
@@ -29,15 +42,14 @@ def keep_freed_memory_mapped() -> bool:
     calls this first thing, before it starts threads.
     Returns False where glibc's mallopt is not available (e.g. musl).
     """
-    name = ctypes.util.find_library("c")
-    if name is None:
+    libc = _libc()
+    if libc is None:
         return False
     try:
-        libc = ctypes.CDLL(name)
         ok = libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30) == 1
         ok = libc.mallopt(_M_TRIM_THRESHOLD, 1 << 31) == 1 and ok
         ok = libc.mallopt(_M_ARENA_MAX, 1) == 1 and ok
-    except (OSError, AttributeError):
+    except AttributeError:  # a C library without mallopt (e.g. musl)
         return False
     if not ok:
         logger.debug("mallopt refused the thresholds; keeping glibc's defaults")
@@ -49,11 +61,11 @@ def release_free_memory() -> bool:
     there is no glibc. ``keep_freed_memory_mapped`` keeps them while the engine is busy
     (re-faulting them every step is slow); an idle engine calls this once, so its RSS
     is what it holds, not its busiest moment's high-water mark."""
-    name = ctypes.util.find_library("c")
-    if name is None:
+    libc = _libc()
+    if libc is None:
         return False
     try:
-        ctypes.CDLL(name).malloc_trim(0)
-    except (OSError, AttributeError):
+        libc.malloc_trim(0)
+    except AttributeError:  # not glibc
         return False
     return True
