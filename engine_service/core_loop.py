@@ -32,11 +32,9 @@ from engine_service.admission import RequestRejected
 from engine_service.core import EngineCore
 from engine_service.cpu import release_free_memory
 from tandem.protocol.outputs import (
-    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     ErrorCode,
-    FinishReason,
     RequestError,
     UtilityOutput,
 )
@@ -198,14 +196,7 @@ class EngineCoreLoop:
             )
 
     def _reject(self, core: EngineCore, request: EngineCoreRequest, error: RequestError) -> None:
-        """The request ends at arrival: one ERROR output carrying ``error``."""
-        rid = request.request_id
-        out = EngineCoreOutput(
-            rid, [], finish_reason=FinishReason.ERROR, stop_reason=error.message, error=error
-        )
-        self.outputs.put(
-            EngineCoreOutputs(engine_index=core.engine_index, outputs=[out], finished_requests={rid})
-        )
+        self.outputs.put(EngineCoreOutputs.refusal(core.engine_index, request.request_id, error))
 
     @staticmethod
     def _call(core: EngineCore, call: UtilityCall) -> UtilityOutput:

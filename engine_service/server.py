@@ -44,7 +44,6 @@ from tandem.protocol.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
     ErrorCode,
-    FinishReason,
     RequestError,
 )
 from tandem.protocol.sampling_params import InvalidRequestError, SamplingParams
@@ -286,13 +285,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             self.drained.set()
 
     def _send_error(self, client: _Client, rid: str, error: RequestError) -> None:
-        out = EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR, stop_reason=error.message, error=error)
-        step = EngineCoreOutputs(
-            engine_index=self.core.engine_index,
-            outputs=[out],
-            finished_requests={rid},
-            draining=self.draining,
-        )
+        step = EngineCoreOutputs.refusal(self.core.engine_index, rid, error, draining=self.draining)
         client.outbox.put_nowait(convert.engine_core_outputs_to_proto(step))
 
     # ---- RPCs ---------------------------------------------------------------------
@@ -366,21 +359,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             if request.request_id in self.owner:
                 raise InvalidRequestError("request_id", request.request_id, "already running")
         except (InvalidRequestError, convert.ConversionError) as exc:
-            rid = msg.request_id
-            err = EngineCoreOutput(
-                rid, [], finish_reason=FinishReason.ERROR, stop_reason=str(exc),
-                error=RequestError(ErrorCode.INVALID_ARGUMENT, str(exc)),
-            )
-            client.outbox.put_nowait(
-                convert.engine_core_outputs_to_proto(
-                    EngineCoreOutputs(
-                        engine_index=self.core.engine_index,
-                        outputs=[err],
-                        finished_requests={rid},
-                        timestamp=time.monotonic(),
-                    )
-                )
-            )
+            self._send_error(client, msg.request_id, RequestError(ErrorCode.INVALID_ARGUMENT, str(exc)))
             return
         request.received_time = time.monotonic()  # queue time counts from here
         self.owner[request.request_id] = client.client_id

@@ -151,3 +151,13 @@ class EngineCoreOutputs:
     finished_requests: set[str] | None = None
     draining: bool = False  # the engine takes no new requests (graceful shutdown)
     iteration_stats: IterationStats | None = field(default=None, compare=False)  # engine-local
+
+    @classmethod
+    def refusal(
+        cls, engine_index: int, request_id: str, error: RequestError, draining: bool = False
+    ) -> EngineCoreOutputs:
+        """The step that ends ``request_id`` at arrival: one ERROR output carrying ``error``."""
+        out = EngineCoreOutput(
+            request_id, [], finish_reason=FinishReason.ERROR, stop_reason=error.message, error=error
+        )
+        return cls(engine_index, [out], finished_requests={request_id}, draining=draining)
