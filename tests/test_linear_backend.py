@@ -6,6 +6,7 @@ there, so a wrong choice shows up as an error, not as a silently different path.
 from __future__ import annotations
 
 import os
+import platform
 import random
 import subprocess
 import sys
@@ -107,6 +108,8 @@ def test_tandem_run_bfloat16_with_onednn_limited_to_avx2(tiny_llama_dir: str) ->
     """The real thing, not a monkeypatch: oneDNN capped at AVX2 (``ONEDNN_MAX_CPU_ISA``)
     refuses bf16 packing with torch's own error on any CPU, as on an AVX2-only one, and
     ATen runs its AVX2 kernels (``ATEN_CPU_CAPABILITY``)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip(f"ONEDNN_MAX_CPU_ISA=AVX2 caps x86-64 CPUs only; this one is {platform.machine()}")
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
     probe = subprocess.run(
         [sys.executable, "-c", "import torch; print(torch.ops.mkldnn._is_mkldnn_bf16_supported())"],
