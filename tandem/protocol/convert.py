@@ -46,6 +46,7 @@ from tandem.protocol.outputs import (
     UtilityOutput,
 )
 from tandem.protocol.sampling_params import InvalidRequestError, RequestOutputKind, SamplingParams
+from tandem.protocol.structured_output import StructuredOutputsParams
 from tandem.v1 import common_pb2, engine_pb2
 
 __all__ = [
@@ -73,6 +74,8 @@ __all__ = [
     "sampling_params_to_proto",
     "scheduler_stats_from_proto",
     "scheduler_stats_to_proto",
+    "structured_outputs_from_proto",
+    "structured_outputs_to_proto",
     "token_columns_from_proto",
     "token_columns_to_proto",
     "utility_call_from_proto",
@@ -166,7 +169,34 @@ def sampling_params_to_proto(sp: SamplingParams) -> common_pb2.SamplingParams:
         prompt_logprobs=sp.prompt_logprobs,
         skip_special_tokens=sp.skip_special_tokens,
         output_kind=output_kind_to_proto(sp.output_kind),
+        structured_outputs=structured_outputs_to_proto(sp.structured_outputs),
     )
+
+
+def structured_outputs_to_proto(
+    so: StructuredOutputsParams | None,
+) -> common_pb2.StructuredOutputs | None:
+    """Domain constraint -> proto (None stays unset). Call ``validate`` first."""
+    if so is None:
+        return None
+    kind = so.kind
+    if kind == "choice":
+        return common_pb2.StructuredOutputs(choice=common_pb2.ChoiceList(choices=so.choice))
+    if kind == "json_object":
+        return common_pb2.StructuredOutputs(json_object=True)
+    return common_pb2.StructuredOutputs(**{kind: so.spec()})
+
+
+def structured_outputs_from_proto(msg: common_pb2.StructuredOutputs) -> StructuredOutputsParams | None:
+    """Proto -> domain; an empty message (no kind set) is None. Does not validate."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "choice":
+        return StructuredOutputsParams(choice=list(msg.choice.choices))
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    return StructuredOutputsParams(**{kind: getattr(msg, kind)})
 
 
 def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
@@ -202,6 +232,11 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams
             msg.skip_special_tokens if has("skip_special_tokens") else d.skip_special_tokens
         ),
         output_kind=output_kind_from_proto(msg.output_kind),
+        structured_outputs=(
+            structured_outputs_from_proto(msg.structured_outputs)
+            if has("structured_outputs")
+            else None
+        ),
     )
 
 

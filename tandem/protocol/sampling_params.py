@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tandem.protocol.structured_output import StructuredOutputsParams
 
 
 class InvalidRequestError(ValueError):
@@ -61,6 +64,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # JSON schema / regex / choice / grammar the output must match (None: free text).
+    structured_outputs: StructuredOutputsParams | None = None
 
     @property
     def greedy(self) -> bool:
@@ -136,6 +141,14 @@ class SamplingParams:
                     _finite(f"logit_bias[{token}]", bias)
         if not isinstance(self.output_kind, RequestOutputKind):
             raise InvalidRequestError("output_kind", self.output_kind, "unknown output kind")
+        if self.structured_outputs is not None:
+            from tandem.protocol.structured_output import StructuredOutputsParams
+
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise InvalidRequestError(
+                    "structured_outputs", self.structured_outputs, "must be StructuredOutputsParams"
+                )
+            self.structured_outputs.validate()
 
 
 def _finite(name: str, value: Any) -> None:
