@@ -115,12 +115,20 @@ class EngineConfig:
     num_threads: int | None = field(
         default=None, metadata={"help": "torch intra-op threads on CPU; default: all cores."}
     )
+    structured_output_cache_size: int = field(
+        default=256,
+        metadata={
+            "help": "Compiled structured-output constraints kept for reuse (least recently "
+            "used dropped first); 0: compile every request's constraint."
+        },
+    )
 
     def __post_init__(self) -> None:
         self._check_positive("max_num_seqs")
         self._check_positive("max_num_batched_tokens")
         self._check_positive("block_size")
         self._check_positive("max_logprobs", allow_zero=True)
+        self._check_positive("structured_output_cache_size", allow_zero=True)
         if self.max_model_len is not None:
             self._check_positive("max_model_len")
         if self.kv_cache_memory_bytes is not None:

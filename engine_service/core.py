@@ -29,6 +29,7 @@ from engine_service.model_runner import (
 from engine_service.models.loader import load_model
 from engine_service.request import Request
 from engine_service.scheduler import Scheduler, SchedulerOutput
+from engine_service.structured_output import StructuredOutputManager
 from kernels.dispatch import get_ops
 from tandem.protocol.model_config import ModelConfig
 from tandem.protocol.outputs import (
@@ -41,6 +42,9 @@ from tandem.protocol.outputs import (
 from tandem.protocol.sampling_params import InvalidRequestError
 
 logger = logging.getLogger(__name__)
+
+# How long an otherwise idle step waits for a constraint being compiled.
+_COMPILE_POLL_S = 0.005
 
 
 class EngineCore:
@@ -105,7 +109,15 @@ class EngineCore:
             policy=config.scheduling_policy,
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
-        self.runner = ModelRunner(config, self.model, self.model_config, kv_caches, self.kv_manager)
+        self.structured = StructuredOutputManager(
+            config.model,
+            self.model_config.vocab_size,
+            ops.apply_token_bitmask,
+            cache_size=config.structured_output_cache_size,
+        )
+        self.runner = ModelRunner(
+            config, self.model, self.model_config, kv_caches, self.kv_manager, self.structured
+        )
         # Requests ended outside a step's forward pass (aborts, expired deadlines): the
         # next outputs report them.
         self._aborted: list[Request] = []
@@ -235,6 +247,7 @@ class EngineCore:
         if admission:
             waiting = self.scheduler.waiting
             self.admission.check(len(waiting), waiting.num_tokens, request.num_tokens)
+        self.structured.submit(request)  # a constraint starts compiling now
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -253,8 +266,11 @@ class EngineCore:
         """Schedule, run the model, update request state, and report what happened."""
         scheduler = self.scheduler
         self._aborted.extend(scheduler.expire(time.monotonic()))
+        self._aborted.extend(self._fail_bad_constraints())
         sched = scheduler.schedule()
         self._aborted.extend(scheduler.take_shed())
+        if sched.is_empty and self.structured.num_compiling:
+            self.structured.wait_for_compile(_COMPILE_POLL_S)  # nothing else to run yet
         start = time.monotonic()
         result = self.runner.execute(sched) if not sched.is_empty else RunnerOutput()
         now = time.monotonic()
@@ -262,6 +278,15 @@ class EngineCore:
         finished = scheduler.update_after_step(sched, result.sampled)
         self.admission.drain_rate.observe(now, scheduler.take_num_admitted(), len(scheduler.waiting))
         return self._make_outputs(sched, result, finished)
+
+    def _fail_bad_constraints(self) -> list[Request]:
+        """End the requests whose structured-output constraint did not compile."""
+        failed = []
+        for request in self.structured.poll():
+            failed += self.scheduler.finish_requests(
+                [request.request_id], FinishReason.ERROR, error=request.structured.error
+            )
+        return failed
 
     def _make_outputs(
         self, sched: SchedulerOutput, result: RunnerOutput, finished: list[Request]

@@ -18,6 +18,7 @@ from engine_service.sampler import (
     compute_logprobs_tensors,
 )
 from engine_service.scheduler import SchedulerOutput
+from engine_service.structured_output import StructuredOutputManager
 from tandem.protocol.model_config import ModelConfig
 from tandem.protocol.outputs import Logprobs
 
@@ -68,6 +69,7 @@ class ModelRunner:
         model_config: ModelConfig,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         kv_manager: KVCacheManager,
+        structured: StructuredOutputManager | None = None,
     ) -> None:
         self.config = config
         self.model = model
@@ -77,6 +79,7 @@ class ModelRunner:
         self.device = config.torch_device
         self.block_size = config.block_size
         self.sampler = _sampler_for(config)
+        self.structured = structured
 
     # ---- inputs --------------------------------------------------------------
 
@@ -130,13 +133,17 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         batch = self._prepare(sched)
+        requests = [sched.scheduled[i].request for i in batch.sample_idx]
+        # Structured-output masks are filled on a worker thread during the forward.
+        mask = self.structured.start_fill(requests) if self.structured is not None else None
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
         out = RunnerOutput()
         self._prompt_logprobs(sched, batch, hidden, out)
         if not batch.sample_rows:
             return out
         logits = self.model.compute_logits(hidden[batch.sample_rows])  # [B, vocab] float32
-        requests = [sched.scheduled[i].request for i in batch.sample_idx]
+        if mask is not None:
+            self.structured.apply(logits, mask)  # before sampling: logprobs see the mask
         metadata = SamplingMetadata.from_requests(
             [r.sampling_params for r in requests],
             [r.prompt_token_ids for r in requests],

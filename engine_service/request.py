@@ -151,6 +151,9 @@ class Request:
         self.prompt_logprobs_pending = sampling_params.prompt_logprobs is not None
         # Prompt logprobs of the prefill chunks computed so far (sampler LogprobsTensors).
         self.prompt_logprobs_chunks: list[Any] = []
+        # Structured-output state (engine_service.structured_output.StructuredRequest);
+        # None for free text.
+        self.structured: Any = None
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:

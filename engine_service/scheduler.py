@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from engine_service.admission import PrefillBound
 from engine_service.kv_cache.manager import KVCacheManager
 from engine_service.request import Request, RequestStatus
+from engine_service.structured_output import Advance
 from engine_service.waiting_queue import WaitingQueue
 from tandem.protocol.outputs import ErrorCode, FinishReason, RequestError, SchedulerStats
 
@@ -85,8 +86,11 @@ class Scheduler:
                 self._deadlines, (request.deadline, next(self._deadline_seq), request)
             )
 
-    def finish_requests(self, request_ids: list[str], reason: FinishReason) -> list[Request]:
-        """End requests in any state (abort) and free their blocks; unknown ids are ignored."""
+    def finish_requests(
+        self, request_ids: list[str], reason: FinishReason, error: RequestError | None = None
+    ) -> list[Request]:
+        """End requests in any state (abort; ``error`` with FinishReason.ERROR) and free
+        their blocks; unknown ids are ignored."""
         done = []
         now = time.monotonic()
         for rid in request_ids:
@@ -97,7 +101,7 @@ class Scheduler:
                 self.running.remove(request)
             else:
                 self.waiting.remove(request)
-            self._finish(request, reason, now=now)
+            self._finish(request, reason, now=now, error=error)
             done.append(request)
         return done
 
@@ -222,8 +226,12 @@ class Scheduler:
         return min(n, budget)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        parked: list[Request] = []  # constraint still compiling: passed over this step
         while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
+            if request.structured is not None and not request.structured.ready:
+                parked.append(self.waiting.pop())
+                continue
             hits, num_hit_tokens = [], 0
             if request.num_computed_tokens == 0:
                 hits, num_hit_tokens = self.kv.get_computed_blocks(request)
@@ -246,6 +254,8 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, n))
             budget -= n
+        for request in reversed(parked):  # back in their places, ahead of the rest
+            self.waiting.add(request, front=True)
 
     def _pick_victim(self) -> Request:
         if self.policy == "priority":
@@ -292,9 +302,20 @@ class Scheduler:
                 times.first_token = now
                 self._num_prompt_tokens += request.num_prompt_tokens
             reason, stop_reason = self._check_stop(request, token)
+            error = None
+            if request.structured is not None:
+                advance = request.structured.advance(token)
+                if advance is Advance.REJECTED:
+                    reason, stop_reason = FinishReason.ERROR, None
+                    error = RequestError(
+                        ErrorCode.INTERNAL,
+                        f"token {token} was sampled outside the structured-output constraint",
+                    )
+                elif advance is Advance.COMPLETE and reason is None:
+                    reason = FinishReason.STOP  # the constraint is complete
             if reason is not None:
                 self.running.remove(request)
-                self._finish(request, reason, stop_reason, now=now)
+                self._finish(request, reason, stop_reason, now=now, error=error)
                 finished.append(request)
         return finished
 

@@ -115,6 +115,11 @@ class RequestState:
         self.request_id = request.request_id
         self.index = index
         self._include_stop_str = params.include_stop_str_in_output
+        # Tokens the engine stops on (their text is hidden); a request can also stop on
+        # content, when its structured-output constraint completes.
+        self._stop_token_ids = set(params.stop_token_ids)
+        if request.eos_token_id is not None and not params.ignore_eos:
+            self._stop_token_ids.add(request.eos_token_id)
         self.token_ids: list[int] = []
         self.num_cached_tokens = 0
         self.finish_reason: FinishReasonName | None = None
@@ -147,7 +152,12 @@ class RequestState:
         if output.new_prompt_logprobs is not None:
             self.logprobs.add_prompt(output.new_prompt_logprobs)
         new_ids = output.new_token_ids
-        hide_last = output.finish_reason == FinishReason.STOP and not self._include_stop_str
+        hide_last = (
+            output.finish_reason == FinishReason.STOP
+            and not self._include_stop_str
+            and bool(new_ids)
+            and new_ids[-1] in self._stop_token_ids
+        )
         for position, token_id in enumerate(new_ids):
             self.token_ids.append(token_id)
             self.logprobs.add_sample(output.new_logprobs, position)

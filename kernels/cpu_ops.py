@@ -37,7 +37,15 @@ import torch
 from kernels import reference
 from kernels.reference import plan_attention, prefill_attention
 
-__all__ = ["argmax", "native_available", "paged_attention", "reshape_and_cache", "rms_norm", "rotary_embedding"]
+__all__ = [
+    "apply_token_bitmask",
+    "argmax",
+    "native_available",
+    "paged_attention",
+    "reshape_and_cache",
+    "rms_norm",
+    "rotary_embedding",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -244,3 +252,18 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B] int64
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     torch.ops.tandem_cpu.argmax_rows(logits, out)
     return out
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """``reference.apply_token_bitmask``, natively for float32 CPU logits."""
+    if (
+        logits.device.type != "cpu"
+        or logits.dtype != torch.float32
+        or logits.dim() != 2
+        or logits.stride(1) != 1
+        or bitmask.dtype != torch.int32
+        or rows.dtype != torch.int64
+    ):
+        reference.apply_token_bitmask(logits, bitmask, rows)
+        return
+    torch.ops.tandem_cpu.apply_token_bitmask(logits, bitmask.contiguous(), rows.contiguous())

@@ -21,6 +21,7 @@ class KernelOps:
     paged_attention: Callable[..., Any]
     rms_norm: Callable[..., Any]
     rotary_embedding: Callable[..., None]
+    apply_token_bitmask: Callable[..., None]
 
 
 def get_ops(backend: str) -> KernelOps:
@@ -44,4 +45,12 @@ def get_ops(backend: str) -> KernelOps:
         paged_attention=mod.paged_attention,
         rms_norm=mod.rms_norm,
         rotary_embedding=mod.rotary_embedding,
+        # A structured-output mask: native on CPU, the (device-agnostic) reference elsewhere.
+        apply_token_bitmask=getattr(mod, "apply_token_bitmask", _reference_apply_token_bitmask),
     )
+
+
+def _reference_apply_token_bitmask(*args: Any) -> None:
+    from kernels.reference import apply_token_bitmask
+
+    apply_token_bitmask(*args)

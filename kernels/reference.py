@@ -273,3 +273,23 @@ def rotary_embedding(
         rotated_2 = x2 * cos + x1 * sin
         t[..., :half] = rotated_1.to(t.dtype)
         t[..., half:] = rotated_2.to(t.dtype)
+
+
+def apply_token_bitmask(
+    logits: torch.Tensor,  # [B, V] float
+    bitmask: torch.Tensor,  # [K, ceil(V / 32)] int32; bit j of word w allows token 32 w + j
+    rows: torch.Tensor,  # [K] int64: the logits row that bitmask row k constrains
+) -> None:
+    """Set the logits of the tokens a structured-output grammar forbids to -inf, in place.
+
+    Rows of ``logits`` not listed in ``rows`` are untouched. The bitmask layout is
+    llguidance's and xgrammar's (little-endian bits of int32 words).
+    """
+    k, v = bitmask.shape[0], logits.shape[1]
+    if k == 0:
+        return
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(k, -1)[:, :v].bool()  # [K, V]
+    constrained = logits[rows]  # [K, V], a copy
+    constrained.masked_fill_(~allowed, float("-inf"))
+    logits[rows] = constrained

@@ -3,7 +3,8 @@
 //   rms_norm / fused_add_rms_norm, rotary_embedding, reshape_and_cache: each one pass
 //   over its rows where the PyTorch reference takes 5-20 elementwise ops per layer;
 //   argmax_rows: greedy sampling (torch's CPU argmax is not vectorized: 1.7 ms for
-//   [64, 49152] float32 on the bench machine, 6x its amax).
+//   [64, 49152] float32 on the bench machine, 6x its amax);
+//   apply_token_bitmask: a structured-output grammar's token mask applied to the logits.
 //
 // Decode attention on CPU that reads the paged KV cache in place.
 //
@@ -27,7 +28,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <cstdint>
 #include <initializer_list>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -394,6 +397,47 @@ void argmax_rows(const at::Tensor& logits, at::Tensor out) {
   });
 }
 
+// Structured output: logits[rows[k], t] = -inf for every token t whose bit in
+// bitmask[k] is 0 (bit t % 32 of int32 word t / 32, llguidance's layout). Words with
+// every bit set (most of a permissive mask) are skipped with one compare.
+void apply_token_bitmask(at::Tensor logits, const at::Tensor& bitmask, const at::Tensor& rows) {
+  TORCH_CHECK(logits.device().is_cpu() && bitmask.device().is_cpu() && rows.device().is_cpu(),
+              "apply_token_bitmask: tensors must be on the CPU");
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1,
+              "logits must be float32 [rows, vocab] with contiguous rows");
+  TORCH_CHECK(bitmask.scalar_type() == at::kInt && bitmask.dim() == 2 && bitmask.is_contiguous(),
+              "bitmask must be contiguous int32 [K, words]");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous() &&
+                  rows.size(0) == bitmask.size(0),
+              "rows must be contiguous int64 [K]");
+  const int64_t k = bitmask.size(0), words = bitmask.size(1), v = logits.size(1), stride = logits.stride(0);
+  TORCH_CHECK(words * 32 >= v, "bitmask has ", words, " words, too few for a vocabulary of ", v);
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < k; ++i) {
+    TORCH_CHECK(r[i] >= 0 && r[i] < logits.size(0), "rows[", i, "]=", r[i], " is outside the logits");
+  }
+  float* base = logits.data_ptr<float>();
+  const uint32_t* mask = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, k, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* x = base + r[i] * stride;
+      const uint32_t* m = mask + i * words;
+      for (int64_t w = 0; w * 32 < v; ++w) {
+        const uint32_t word = m[w];
+        if (word == 0xffffffffu) continue;
+        const int64_t lo = w * 32, n = std::min<int64_t>(32, v - lo);
+        float* y = x + lo;
+        if (n == 32) {  // a branch-free select the compiler vectorizes
+          for (int64_t j = 0; j < 32; ++j) y[j] = ((word >> j) & 1u) ? y[j] : neg_inf;
+        } else {
+          for (int64_t j = 0; j < n; ++j) y[j] = ((word >> j) & 1u) ? y[j] : neg_inf;
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tandem_cpu, m) {
@@ -415,4 +459,6 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.impl("reshape_and_cache", c10::DispatchKey::CPU, &reshape_and_cache);
   m.def("argmax_rows(Tensor logits, Tensor(a!) out) -> ()");
   m.impl("argmax_rows", c10::DispatchKey::CPU, &argmax_rows);
+  m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
+  m.impl("apply_token_bitmask", c10::DispatchKey::CPU, &apply_token_bitmask);
 }

@@ -180,11 +180,14 @@ def structured_outputs_to_proto(
     if so is None:
         return None
     kind = so.kind
+    value: Any = so.spec()
     if kind == "choice":
-        return common_pb2.StructuredOutputs(choice=common_pb2.ChoiceList(choices=so.choice))
-    if kind == "json_object":
-        return common_pb2.StructuredOutputs(json_object=True)
-    return common_pb2.StructuredOutputs(**{kind: so.spec()})
+        value = common_pb2.ChoiceList(choices=so.choice)
+    elif kind == "json_object":
+        value = True
+    return common_pb2.StructuredOutputs(
+        **{kind: value}, disable_any_whitespace=so.disable_any_whitespace
+    )
 
 
 def structured_outputs_from_proto(msg: common_pb2.StructuredOutputs) -> StructuredOutputsParams | None:
@@ -192,11 +195,14 @@ def structured_outputs_from_proto(msg: common_pb2.StructuredOutputs) -> Structur
     kind = msg.WhichOneof("kind")
     if kind is None:
         return None
+    value: Any = getattr(msg, kind)
     if kind == "choice":
-        return StructuredOutputsParams(choice=list(msg.choice.choices))
-    if kind == "json_object":
-        return StructuredOutputsParams(json_object=True)
-    return StructuredOutputsParams(**{kind: getattr(msg, kind)})
+        value = list(msg.choice.choices)
+    elif kind == "json_object":
+        value = True
+    return StructuredOutputsParams(
+        **{kind: value}, disable_any_whitespace=msg.disable_any_whitespace
+    )
 
 
 def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:

@@ -36,6 +36,8 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: str | None = None
+    # JSON output without whitespace between its tokens (vLLM's name).
+    disable_any_whitespace: bool = False
 
     @property
     def kind(self) -> str:
@@ -64,9 +66,9 @@ class StructuredOutputsParams:
         return value
 
     @property
-    def key(self) -> tuple[str, str]:
+    def key(self) -> tuple[str, str, bool]:
         """Cache key of the compiled constraint."""
-        return (self.kind, self.spec())
+        return (self.kind, self.spec(), self.disable_any_whitespace)
 
     def validate(self) -> None:
         """Raise InvalidRequestError naming the field: exactly one kind, right types."""
@@ -114,3 +116,7 @@ class StructuredOutputsParams:
                 raise InvalidRequestError(field, value, f"not valid JSON: {exc}") from None
             if not isinstance(parsed, dict):
                 raise InvalidRequestError(field, value, "a structural tag is a JSON object")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise InvalidRequestError(
+                "structured_outputs.disable_any_whitespace", self.disable_any_whitespace, "must be a boolean"
+            )
