@@ -618,3 +618,50 @@ def test_no_leaked_processes(e2e_stack: Stack) -> None:
     running = {int(line.split()[0]) for line in out.splitlines() if line.split()[1:2] != ["ps"]}
     shared = {p.proc.pid for p in (e2e_stack.frontend, *e2e_stack.engines)}
     assert running == shared, out
+
+
+# ---- structured output over gRPC ------------------------------------------------------
+
+
+def test_structured_output_json_schema(stub: frontend_pb2_grpc.GenerationStub) -> None:
+    import json
+
+    import jsonschema
+
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    so = common_pb2.StructuredOutputs(json=json.dumps(schema), disable_any_whitespace=True)
+    request = frontend_pb2.GenerateRequest(
+        prompt=PROMPT_TEXT,
+        sampling_params=params(temperature=0.0, max_tokens=64, n=2, seed=3, structured_outputs=so),
+    )
+    responses = run(stub, request)
+    for index in (0, 1):
+        text, _ = joined(responses, index)
+        jsonschema.validate(json.loads(text), schema)
+    finals = [o for r in responses for o in r.outputs if o.finish_reason]
+    assert sorted(o.finish_reason for o in finals) == ["stop", "stop"]
+
+
+def test_structured_output_errors_are_invalid_argument(stub: frontend_pb2_grpc.GenerationStub) -> None:
+    bad_regex = frontend_pb2.GenerateRequest(
+        prompt=PROMPT_TEXT,
+        sampling_params=params(max_tokens=8, structured_outputs=common_pb2.StructuredOutputs(regex="(open")),
+    )
+    err = rpc_error(lambda: stub.Generate(bad_regex, timeout=CALL_TIMEOUT))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "structured_outputs.regex" in (err.details() or "")
+    bad_json = frontend_pb2.GenerateRequest(
+        prompt=PROMPT_TEXT,
+        sampling_params=params(max_tokens=8, structured_outputs=common_pb2.StructuredOutputs(json="{nope")),
+    )
+    err = rpc_error(lambda: stub.Generate(bad_json, timeout=CALL_TIMEOUT))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "structured_outputs.json" in (err.details() or "")
+    # The stack still serves.
+    _, ids = joined(run(stub, frontend_pb2.GenerateRequest(prompt=PROMPT_TEXT, sampling_params=greedy(4))))
+    assert len(ids) == 4

@@ -54,3 +54,37 @@ def test_node_client_matches_python_client(e2e_stack: Stack) -> None:
     assert node["finish_reason"] == "length"
     assert node["prompt_token_ids"] == list(responses[0].prompt_token_ids)
     assert node["messages"] > 1  # streamed, not one final message
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}, "rank": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["city", "rank"],
+    "additionalProperties": False,
+}
+
+
+def test_node_client_json_schema_request(e2e_stack: Stack) -> None:
+    """Structured output from a client generated from the .proto files alone."""
+    import jsonschema
+
+    assert NODE is not None
+    done = subprocess.run(
+        [NODE, str(CLIENT), e2e_stack.address, PROMPT, "96", json.dumps(SCHEMA)],
+        capture_output=True, text=True, timeout=120, cwd=REPO_ROOT, check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    node = json.loads(done.stdout)
+    assert node["finish_reason"] == "stop", node
+    jsonschema.validate(json.loads(node["text"]), SCHEMA)
+
+    sp = common_pb2.SamplingParams(
+        temperature=0.0,
+        max_tokens=96,
+        output_kind=common_pb2.OUTPUT_KIND_DELTA,
+        structured_outputs=common_pb2.StructuredOutputs(json=json.dumps(SCHEMA), disable_any_whitespace=True),
+    )
+    responses = list(
+        e2e_stack.generation_stub().Generate(frontend_pb2.GenerateRequest(prompt=PROMPT, sampling_params=sp), timeout=60)
+    )
+    assert node["token_ids"] == [t for r in responses for o in r.outputs for t in o.token_ids]

@@ -1,6 +1,8 @@
 #!/usr/bin/env node
 // Streams one greedy Generate from a Tandem frontend and prints the result as JSON:
-//   node tests/node/generate_client.js HOST:PORT "prompt text" [max_tokens]
+//   node tests/node/generate_client.js HOST:PORT "prompt text" [max_tokens] [json_schema]
+// With a JSON schema the output is constrained to it (structured output, compact JSON)
+// and the request stops when the JSON is complete.
 // -> {"text": "...", "token_ids": [...], "num_tokens": N, "finish_reason": "length",
 //     "prompt_token_ids": [...], "messages": M}
 // Exits 1 with the gRPC status on stderr if the call fails.
@@ -10,7 +12,7 @@ const path = require('path');
 const grpc = require('@grpc/grpc-js');
 const protoLoader = require('@grpc/proto-loader');
 
-const [address, prompt, maxTokensArg] = process.argv.slice(2);
+const [address, prompt, maxTokensArg, schema] = process.argv.slice(2);
 if (!address || prompt === undefined) {
   console.error('usage: generate_client.js HOST:PORT PROMPT [MAX_TOKENS]');
   process.exit(2);
@@ -38,6 +40,10 @@ const request = {
     output_kind: 'OUTPUT_KIND_DELTA',
   },
 };
+if (schema) {
+  request.sampling_params.ignore_eos = false;
+  request.sampling_params.structured_outputs = { json: schema, disable_any_whitespace: true };
+}
 
 const result = { text: '', token_ids: [], num_tokens: 0, finish_reason: '', prompt_token_ids: [], messages: 0 };
 const call = client.Generate(request, { deadline: Date.now() + 60000 });
