@@ -379,3 +379,20 @@ def test_n_children_and_seeds(tiny_llama_dir: str, hf_tokenizer: object) -> None
     for rid, out in final.items():
         if out.finish_reason == FinishReason.STOP:
             check(_decode(hf_tokenizer, tokens[rid], 2))
+
+
+def test_benchmark_runs(tiny_llama_dir: str) -> None:
+    """benchmarks/structured_output.py end to end on the tiny model (no timing asserts)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.structured_output", "--model", tiny_llama_dir,
+         "--batch-sizes", "1,3", "--steps", "3", "--repeats", "1"],
+        cwd=Path(__file__).resolve().parent.parent, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in ("json schema", "regex", "grammar (GBNF)", "json_object"):
+        assert name in proc.stdout
+    assert "mask / free step" in proc.stdout
