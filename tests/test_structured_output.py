@@ -194,6 +194,22 @@ def test_matcher_rebuilds_when_out_of_step(tiny_llama_dir: str) -> None:
     assert state.advance(tok.tokenize_str("x")[0]) is Advance.REJECTED
 
 
+def test_structural_tag_and_gbnf_compile(tiny_llama_dir: str) -> None:
+    tok = load_tokenizer(tiny_llama_dir, 1024)
+    tag = {
+        "type": "structural_tag",
+        "structures": [{"begin": "<f=add>", "schema": {"type": "object", "properties": {"a": {"type": "integer"}}}, "end": "</f>"}],
+        "triggers": ["<f="],
+    }
+    matcher = compile_matcher(tok, SO(structural_tag=json.dumps(tag)))
+    assert matcher.consume_tokens(tok.tokenize_str('hi <f=add>{"a": 1}</f>'))
+    with pytest.raises(InvalidRequestError) as err:
+        compile_matcher(tok, SO(structural_tag=json.dumps({**tag, "triggers": ["<g="]})))
+    assert err.value.field == "structured_outputs.structural_tag"
+    matcher = compile_matcher(tok, SO(grammar='root ::= "a" [0-9]+'))
+    assert matcher.consume_tokens(tok.tokenize_str("a42")) and matcher.is_accepting()
+
+
 def test_compile_error_names_the_field(tiny_llama_dir: str) -> None:
     tok = load_tokenizer(tiny_llama_dir, 1024)
     for so, field in [
