@@ -106,11 +106,25 @@ def error_event(exc: BaseException) -> bytes:
 
 def _validation_error(exc: RequestValidationError) -> JSONResponse:
     first = exc.errors()[0] if exc.errors() else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
+    param = _field_path(first.get("loc", ()))
     what = first.get("msg", "invalid request body")
     message = f"invalid {param}: {what}" if param else f"invalid request body: {what}"
     return error_response(ApiError(grpc.StatusCode.INVALID_ARGUMENT, message, param))
+
+
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict"})
+
+
+def _field_path(loc: Any) -> str | None:
+    """pydantic's error location as a field path ("messages[0].content"), without the
+    "body" root and the union-member tags ("str", "list[int]") pydantic puts in it."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part != "body" and part not in _TYPE_TAGS and part.isidentifier():
+            path += f".{part}" if path else part
+    return path or None
 
 
 async def _disconnected(receive: Receive) -> None:
