@@ -99,7 +99,7 @@ WORKDIR /home/tandem
 ENV TANDEM_MODEL=/models/demo
 RUN python -c "import sys, frontend_service.server; assert 'torch' not in sys.modules"
 
-EXPOSE 50051 8000
+EXPOSE 50051 8000 8080
 
 # The same probe as the engine's, on the frontend's port.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \

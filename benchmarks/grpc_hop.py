@@ -186,7 +186,8 @@ def bench_stack(model: str, prompts: list[list[int]], max_tokens: int, engine_ar
 
     port, engine_port = _free_port(), _free_port()
     cmd = [sys.executable, "-m", "tandem.cli", "--log-level", "WARNING", "serve", "--model", model,
-           "--port", str(port), "--engine-base-port", str(engine_port), "--", *engine_args]
+           "--port", str(port), "--engine-base-port", str(engine_port), "--http-port", "0",
+           "--", *engine_args]
     proc = subprocess.Popen(cmd)
     try:
         _wait_ready(f"127.0.0.1:{port}", 300)

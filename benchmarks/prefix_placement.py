@@ -160,7 +160,7 @@ def main() -> None:
         for policy in ("least-load", "prefix-aware"):
             reset_caches(engines)
             targets = [a for e in engines for a in ("--engine", e)]
-            with service(["frontend", "--model", model, "--placement", policy, *targets],
+            with service(["frontend", "--model", model, "--placement", policy, "--http-port", "0", *targets],
                          logs / f"frontend-{policy}.log", args.timeout) as frontend:
                 cached, total, wall = asyncio.run(run_workload(frontend, prompts, args.concurrency))
             rows.append([policy, len(prompts), total, cached, f"{100 * cached / max(total, 1):.1f}%", f"{wall:.2f}"])

@@ -967,9 +967,11 @@ class LaunchedStack:
         self.port = free_port()
         base = free_port_range(engines)
         self.target = f"127.0.0.1:{self.port}"
+        self.http_port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.http_port}"  # the OpenAI-compatible API
         self.log_path = log_path
         cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model", model,
-               "--engines", str(engines), "--port", str(self.port),
+               "--engines", str(engines), "--port", str(self.port), "--http-port", str(self.http_port),
                "--engine-base-port", str(base), "--", *engine_args]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop)
@@ -1224,8 +1226,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("--max-concurrency must be >= 1")
     if engine_args and not args.launch:
         raise SystemExit("engine flags after '--' need --launch")
-    if args.launch and (args.backend != "tandem" or not args.model):
-        raise SystemExit("--launch starts `tandem serve`: use --backend tandem and --model DIR")
+    if args.launch and not args.model:
+        raise SystemExit("--launch starts `tandem serve`: give --model DIR")
 
     stack = None
     if args.launch:
@@ -1235,6 +1237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stack = LaunchedStack(args.model, args.engines, engine_args, log_path)
         print(f"launched tandem serve on {stack.target} (log {log_path})", flush=True)
         args.target = stack.target
+        args.base_url = stack.base_url  # --backend openai: tandem serve's HTTP API
     try:
         if stack is not None:
             try:

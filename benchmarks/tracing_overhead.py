@@ -121,7 +121,7 @@ def run_round(
     cmd = [
         sys.executable, "-m", "tandem.cli", "--log-level", "WARNING", "serve", "--model", model,
         "--port", str(port), "--engine-base-port", str(engine_port),
-        "--metrics-port", "0", "--engine-metrics-base-port", "0",
+        "--metrics-port", "0", "--engine-metrics-base-port", "0", "--http-port", "0",
         "--", "--log-stats-interval", "0", *engine_args,
     ]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -30,6 +30,7 @@ from frontend_service.engine_group import DEFAULT_DISCOVERY_INTERVAL, EngineGrou
 from frontend_service.errors import abort_with
 from frontend_service.input_processor import InputProcessor
 from frontend_service.metrics import FrontendMetrics
+from frontend_service.openai import add_http_port_cli
 from frontend_service.placement import PlacementConfig, PlacementPolicy
 from tandem import telemetry
 from tandem.grpc_guard import MalformedRequestGuard
@@ -72,6 +73,7 @@ class FrontendConfig:
     connect_timeout: float = 60.0  # seconds to wait for every engine at start-up
     health_port: int = 0  # plain-text grpc.health.v1 alone on host:health_port; 0: off
     metrics_port: int = 0  # Prometheus /metrics on host:metrics_port; 0: off
+    http_port: int = 0  # the OpenAI-compatible HTTP API on host:http_port; 0: off (the CLI's default: 8080)
     security: ServerSecurity = field(default_factory=ServerSecurity)  # public TLS, admin token and port
     engine_channel: EngineChannelSecurity = field(default_factory=EngineChannelSecurity)  # TLS, token to engines
     # Requests admitted and not finished beyond which Generate answers RESOURCE_EXHAUSTED
@@ -227,14 +229,17 @@ async def serve_frontend(
         raise ValueError("the frontend needs at least one --engine HOST:PORT, dns:///NAME:PORT or file:///PATH")
     metrics_server = None
     metrics = None
-    if config.metrics_port:
+    registry = None
+    # One registry: served on --metrics-port and at the HTTP API's /metrics.
+    if config.metrics_port or config.http_port:
         from prometheus_client import CollectorRegistry
 
         registry = CollectorRegistry()
         metrics = FrontendMetrics(registry)
+    if config.metrics_port:
         metrics_server = telemetry.start_metrics_server(registry, config.host, config.metrics_port)
     try:
-        return await _serve_frontend(config, ready, tracing, metrics)
+        return await _serve_frontend(config, ready, tracing, metrics, registry)
     finally:
         if metrics_server is not None:
             metrics_server.shutdown()
@@ -245,6 +250,7 @@ async def _serve_frontend(
     ready: asyncio.Event | None,
     tracing: Tracing | None,
     metrics: FrontendMetrics | None,
+    registry: Any = None,
 ) -> int:
     from transformers import AutoTokenizer
 
@@ -304,11 +310,29 @@ async def _serve_frontend(
         on_join=on_join, on_leave=on_leave, on_change=on_change, channel=config.engine_channel,
     )
     frontend_pb2_grpc.add_FrontendAdminServicer_to_server(admin.FrontendAdminServicer(group), server)
+    http = None
+    if config.http_port:
+        from frontend_service.openai.app import FrontendView
+        from frontend_service.openai.server import HttpServer
+
+        def http_ready() -> bool:  # readiness as grpc.health.v1 reports it
+            return "llm" in holder and not servicer.draining and group.any_alive
+
+        view = FrontendView(servicer, config.model, http_ready, registry)
+        try:
+            http = HttpServer(view, config.host, config.http_port, config.security.tls)
+        except BaseException:
+            await server.stop(0)
+            raise
     await server.start()  # every servicer registered first: gRPC takes none once started
+    if http is not None:
+        http.start()  # answers 503 until the engines are connected
     try:
         info = await group.connect(fingerprint, config.connect_timeout)
     except BaseException:
-        # Unreachable or mismatched engines: close the port before giving up.
+        # Unreachable or mismatched engines: close the ports before giving up.
+        if http is not None:
+            await http.stop(0)
         await server.stop(0)
         await group.close()
         raise
@@ -335,6 +359,8 @@ async def _serve_frontend(
     await signals.requested.wait()
     await _drain(servicer, service_health, llm, config.drain_timeout, signals)
     await health_servicer.enter_graceful_shutdown()
+    if http is not None:
+        await http.stop(STREAM_CLOSE_GRACE)
     await server.stop(STREAM_CLOSE_GRACE)
     await group.close()
     return 0
@@ -421,6 +447,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "with UNAVAILABLE (env TANDEM_DRAIN_TIMEOUT; default 30).",
     )
     telemetry.add_metrics_cli(p, default_port=8000)
+    add_http_port_cli(p)
     add_health_port_cli(p)
     add_server_security_cli(p, engine=False)
     add_engine_channel_cli(p)
@@ -456,6 +483,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         client_index=args.client_index,
         connect_timeout=args.connect_timeout,
         metrics_port=args.metrics_port,
+        http_port=args.http_port,
         health_port=args.health_port,
         security=server_security_from_args(args, engine=False),
         engine_channel=engine_channel_from_args(args),

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 
+from frontend_service.openai import add_http_port_cli
 from tandem import ports, telemetry
 from tandem.errors import UsageError
 from tandem.grpc_server import BindError
@@ -57,6 +58,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                    default=float(env("TANDEM_RESTART_BACKOFF_MAX", "30")),
                    help="Longest wait before restarting an engine (env TANDEM_RESTART_BACKOFF_MAX).")
     telemetry.add_metrics_cli(p, default_port=8000)
+    add_http_port_cli(p)
     p.add_argument("--engine-metrics-base-port", type=int,
                    default=int(env("TANDEM_ENGINE_METRICS_BASE_PORT", "8001")),
                    help="Engine i serves /metrics on this port + i; 0: off "
@@ -115,6 +117,7 @@ def _check_ports(args: argparse.Namespace) -> None:
     if _admin_port(args):
         ports.ensure_free("127.0.0.1", _admin_port(args), "frontend admin")
     ports.ensure_free(args.host, args.metrics_port, "frontend metrics")
+    ports.ensure_free(args.host, args.http_port, "frontend HTTP API")
     for i in range(args.engines):
         ports.ensure_free(ENGINE_HOST, args.engine_base_port + i, f"engine {i}")
         if args.engine_metrics_base_port:
@@ -167,11 +170,14 @@ async def _serve(args: argparse.Namespace, model: str, supervisor: EngineSupervi
     admin_port = _admin_port(args)
     config = FrontendConfig(model=model, engines=addresses, host=args.host, port=args.port,
                             connect_timeout=args.connect_timeout, metrics_port=args.metrics_port,
+                            http_port=args.http_port,
                             security=ServerSecurity(TlsFiles(args.tls_cert, args.tls_key),
                                                     admin_token=args.admin_token, admin_port=admin_port),
                             engine_channel=EngineChannelSecurity(engine_token=args.engine_token),
                             drain_timeout=args.drain_timeout)
     admin = f", admin on 127.0.0.1:{admin_port}" if admin_port else ""
+    if args.http_port:
+        admin += f", OpenAI-compatible API on http{'s' if args.tls_cert else ''}://{args.host}:{args.http_port}/v1"
     tracing = telemetry.tracing_from_env("tandem-frontend")
     watch: asyncio.Task[None] | None = None
     own_signals()

@@ -237,10 +237,13 @@ def start_frontend(
     *,
     metrics_port: int = 0,
     env: Mapping[str, str] | None = None,
+    http_port: int = 0,
 ) -> ServiceProcess:
+    """A frontend on a free port; /metrics and the HTTP API are off unless their ports are given."""
     port = free_port()
     args = ["frontend", "--model", model_dir, "--host", "127.0.0.1", "--port", str(port),
-            "--connect-timeout", str(connect_timeout), "--metrics-port", str(metrics_port)]
+            "--connect-timeout", str(connect_timeout), "--metrics-port", str(metrics_port),
+            "--http-port", str(http_port)]
     for address in engine_addresses:
         args += ["--engine", address]
     return ServiceProcess.spawn(name, args, f"127.0.0.1:{port}", log_dir, env)

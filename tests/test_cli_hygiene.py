@@ -50,7 +50,7 @@ def _one_error_line(stderr: str) -> str:
 def _serve_args(model: str, port: int, engine_port: int, *extra: str) -> list[str]:
     return ["serve", "--model", model, "--host", "127.0.0.1", "--port", str(port),
             "--engine-base-port", str(engine_port), "--metrics-port", "0",
-            "--engine-metrics-base-port", "0", *extra, *ENGINE_ARGS]
+            "--engine-metrics-base-port", "0", "--http-port", "0", *extra, *ENGINE_ARGS]
 
 
 def _engine_pids(log: str, index: int = 0) -> list[int]:

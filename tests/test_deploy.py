@@ -324,7 +324,7 @@ def test_health_probe_reports_serving_only(stages: dict[str, Stage]) -> None:
 def test_only_public_ports_are_published(services: dict[str, dict[str, Any]]) -> None:
     published = {name: _published(s) for name, s in services.items() if s.get("ports")}
     assert set(published) == {FRONTEND, JAEGER, PROMETHEUS}, published
-    assert published[FRONTEND] == {50051: _grpc_port(services[FRONTEND])}
+    assert published[FRONTEND] == {50051: _grpc_port(services[FRONTEND]), 8080: _args(services[FRONTEND]).http_port}
     assert published[JAEGER] == {16686: 16686}
     assert published[PROMETHEUS] == {9090: 9090}
 

@@ -212,8 +212,11 @@ def test_container_ports_are_the_commands_ports(component: str, manifests: list[
     container, args = _container(workload), _args(workload, manifests)
     assert args.command == component and args.host == "0.0.0.0"
     ports = _ports(container)
-    assert set(ports) == {"grpc", "health", "metrics"}, ports
+    http = {"http"} if component == "frontend" else set()  # the OpenAI-compatible API
+    assert set(ports) == {"grpc", "health", "metrics", *http}, ports
     assert ports["grpc"] == args.port
+    if http:
+        assert ports["http"] == args.http_port
     assert ports["metrics"] == args.metrics_port
     env = _container_env(workload, manifests)
     assert ports["health"] == int(env["TANDEM_HEALTH_PORT"]) != ports["grpc"]
@@ -443,6 +446,8 @@ def test_clients_reach_the_frontends(manifests: list[Manifest]) -> None:
     frontend_ports = _ports(_container(_workload(manifests, "frontend")))
     (grpc_rule,) = _rules_for_port(policy, "grpc")
     assert "from" not in grpc_rule, "clients come from anywhere"
+    (http_rule,) = _rules_for_port(policy, "http")
+    assert "from" not in http_rule, "clients come from anywhere"
     (metrics_rule,) = _rules_for_port(policy, "metrics")
     assert metrics_rule["from"]
     for rule in policy["spec"]["ingress"]:

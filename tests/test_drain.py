@@ -236,7 +236,8 @@ def serve_process(tiny_llama_dir: str, log_dir: Path) -> Iterator[tuple[ServiceP
     args = [
         "serve", "--model", tiny_llama_dir, "--engines", "1", "--host", "127.0.0.1",
         "--port", str(port), "--engine-base-port", str(engine_port), "--metrics-port", "0",
-        "--engine-metrics-base-port", "0", "--connect-timeout", str(START_TIMEOUT), "--", *ENGINE_ARGS,
+        "--engine-metrics-base-port", "0", "--http-port", "0", "--connect-timeout", str(START_TIMEOUT),
+        "--", *ENGINE_ARGS,
     ]
     proc = ServiceProcess.spawn("serve", args, f"127.0.0.1:{port}", log_dir)
     try:

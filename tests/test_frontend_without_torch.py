@@ -12,7 +12,9 @@ real engine started normally; its answers match those of a frontend in the full 
 
 from __future__ import annotations
 
+import http.client
 import importlib.metadata
+import json
 import os
 import subprocess
 import sys
@@ -42,6 +44,7 @@ pytestmark = pytest.mark.timeout(300)
 # Distributions only the engine needs: none may be reachable from the frontend's install.
 ENGINE_ONLY = ("torch", "triton", "ninja")
 CALL_TIMEOUT = 60.0
+TORCH_FREE_HTTP_PORT = [free_port()]  # the torch-free frontend's OpenAI-compatible API
 
 
 def base_requirements() -> list[Requirement]:
@@ -153,13 +156,13 @@ def test_frontend_imports_no_torch_in_the_full_install() -> None:
 
 
 def start_torch_free_frontend(
-    model_dir: str, engine: str, log_dir: Path, env: dict[str, str]
+    model_dir: str, engine: str, log_dir: Path, env: dict[str, str], http_port: int = 0
 ) -> ServiceProcess:
     port = free_port()
     argv = [
         sys.executable, "-S", "-m", "tandem.cli", "frontend", "--model", model_dir,
         "--engine", engine, "--host", "127.0.0.1", "--port", str(port),
-        "--connect-timeout", str(START_TIMEOUT), "--metrics-port", "0",
+        "--connect-timeout", str(START_TIMEOUT), "--metrics-port", "0", "--http-port", str(http_port),
     ]
     log_path = log_dir / "frontend-no-torch.log"
     with open(log_path, "wb") as log:
@@ -177,7 +180,9 @@ def frontends(
     try:
         engine = start_engine(tiny_llama_dir, 0, log_dir)
         started.append(engine)
-        started.append(start_torch_free_frontend(tiny_llama_dir, engine.address, log_dir, frontend_install))
+        started.append(start_torch_free_frontend(
+            tiny_llama_dir, engine.address, log_dir, frontend_install, http_port=TORCH_FREE_HTTP_PORT[0]
+        ))
         started.append(start_frontend(tiny_llama_dir, [engine.address], log_dir))
         for proc in started:
             proc.wait_serving()
@@ -248,3 +253,27 @@ def test_torch_free_frontend_serves_like_the_full_one(
     assert len(torch_free_tok[0].token_strings) == len(torch_free_tok[0].token_ids)
     # The chat's rendered prompt is what Generate placed on the engine.
     assert list(torch_free_tok[1].token_ids) == torch_free_gen[1][0]
+
+
+def test_torch_free_frontend_serves_http(
+    frontends: tuple[ServiceProcess, ServiceProcess, ServiceProcess],
+) -> None:
+    """The OpenAI-compatible API runs on the base install too, with the gRPC answer's text."""
+    conn = http.client.HTTPConnection("127.0.0.1", TORCH_FREE_HTTP_PORT[0], timeout=CALL_TIMEOUT)
+    try:
+        conn.request("GET", "/health")
+        health = conn.getresponse()
+        health.read()
+        assert health.status == 200
+        body = {"prompt": "The quick brown fox jumps over", "max_tokens": 16, "temperature": 0,
+                "ignore_eos": True}
+        conn.request("POST", "/v1/completions", json.dumps(body), {"content-type": "application/json"})
+        reply = conn.getresponse()
+        completion = json.loads(reply.read())
+    finally:
+        conn.close()
+    assert reply.status == 200, completion
+    with grpc.insecure_channel(frontends[1].address) as channel:
+        request = frontend_pb2.GenerateRequest(prompt=body["prompt"], sampling_params=_greedy(16))
+        _, _, text = _generate(frontend_pb2_grpc.GenerationStub(channel), request)
+    assert completion["choices"][0]["text"] == text

@@ -349,7 +349,8 @@ def secure_stack(pki: Pki, tiny_llama_dir: str, tmp_path_factory: pytest.TempPat
     frontend = ServiceProcess.spawn(
         "frontend",
         ["frontend", "--model", tiny_llama_dir, "--host", "127.0.0.1", "--port", str(front_port),
-         "--metrics-port", "0", "--admin-port", str(front_admin), "--health-port", str(front_health),
+         "--metrics-port", "0", "--http-port", "0", "--admin-port", str(front_admin),
+         "--health-port", str(front_health),
          "--engine", f"127.0.0.1:{engine_port}",
          "--connect-timeout", str(START_TIMEOUT),
          "--tls-cert", str(pki.frontend.cert), "--tls-key", str(pki.frontend.key),

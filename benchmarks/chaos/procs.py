@@ -144,7 +144,7 @@ class ChaosStack:
             self.engines.append(Service(f"engine{i}", args, f"127.0.0.1:{port}", self.log_dir / f"engine{i}.log"))
         port = free_port()
         args = ["frontend", "--model", self.model, "--host", "127.0.0.1", "--port", str(port),
-                "--metrics-port", "0", "--connect-timeout", str(self.start_timeout)]
+                "--metrics-port", "0", "--http-port", "0", "--connect-timeout", str(self.start_timeout)]
         for engine in self.engines:
             args += ["--engine", engine.address]
         self.frontend = Service("frontend", args, f"127.0.0.1:{port}", self.log_dir / "frontend.log")
