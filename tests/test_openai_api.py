@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP API, end to end: the official ``openai`` SDK against
 ``tandem serve --http-port P`` over a real socket (one server for the module).
 
-Structured output: only that response_format / structured_outputs are accepted and reach
-the engine request (``test_openai_params.py`` checks the SamplingParams AsyncLLM gets);
-whether the text obeys them is the engine's business, tested there.
+Structured output: response_format / structured_outputs reach the engine request
+(``test_openai_params.py`` checks the SamplingParams AsyncLLM gets) and the text that
+finishes with ``stop`` obeys them (the engine's side is tested in
+``test_structured_output.py``).
 """
 
 from __future__ import annotations
@@ -229,6 +230,59 @@ def test_response_format_accepted(client: openai.OpenAI, model: str, response_fo
     reply = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "JSON please"}],
                                            max_tokens=4, response_format=response_format)  # type: ignore[arg-type]
     assert reply.choices[0].finish_reason in ("stop", "length")
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 10}, "n": {"type": "integer", "minimum": 1, "maximum": 50}},
+    "required": ["name", "n"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_response_format_json_schema_is_obeyed(client: openai.OpenAI, model: str, stream: bool) -> None:
+    import jsonschema
+
+    response_format = {"type": "json_schema", "json_schema": {"name": "person", "strict": True, "schema": SCHEMA}}
+    kwargs = dict(
+        model=model, messages=[{"role": "user", "content": "A person, as JSON"}], max_tokens=96, n=2,
+        temperature=0.8, seed=5, response_format=response_format,
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}},  # compact JSON
+    )
+    texts, reasons = ["", ""], ["", ""]
+    if stream:
+        for chunk in client.chat.completions.create(stream=True, **kwargs):  # type: ignore[call-overload]
+            for choice in chunk.choices:
+                texts[choice.index] += choice.delta.content or ""
+                reasons[choice.index] = choice.finish_reason or reasons[choice.index]
+    else:
+        reply = client.chat.completions.create(**kwargs)  # type: ignore[call-overload]
+        for choice in reply.choices:
+            texts[choice.index], reasons[choice.index] = choice.message.content or "", choice.finish_reason
+    assert reasons == ["stop", "stop"], (reasons, texts)
+    for text in texts:
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_structured_outputs_extra_field(client: openai.OpenAI, model: str) -> None:
+    reply = client.completions.create(model=model, prompt="Pick one:", max_tokens=16, temperature=1.0, n=4,
+                                      extra_body={"structured_outputs": {"choice": ["red", "green", "blue"]}})
+    assert {c.text for c in reply.choices} <= {"red", "green", "blue"}
+    assert all(c.finish_reason == "stop" for c in reply.choices)
+    reply = client.completions.create(model=model, prompt="Code:", max_tokens=16, temperature=0,
+                                      extra_body={"structured_outputs": {"regex": "[A-Z]{2}-[0-9]{3}"}})
+    assert re.fullmatch("[A-Z]{2}-[0-9]{3}", reply.choices[0].text)
+    with pytest.raises(openai.BadRequestError, match=re.escape("structured_outputs.regex")):
+        client.completions.create(model=model, prompt="x", max_tokens=4,
+                                  extra_body={"structured_outputs": {"regex": "(unclosed"}})
+    with pytest.raises(openai.BadRequestError, match=re.escape("structured_outputs.json")):
+        client.completions.create(model=model, prompt="x", max_tokens=4,
+                                  extra_body={"structured_outputs": {"json": "{not json"}})
+    # The engine's compile error arrives before a stream's first output: still a 400.
+    with pytest.raises(openai.BadRequestError, match=re.escape("structured_outputs.grammar")):
+        client.completions.create(model=model, prompt="x", max_tokens=4, stream=True,
+                                  extra_body={"structured_outputs": {"grammar": "root ::= ("}}).close()
 
 
 # ---- chat ----------------------------------------------------------------------------------

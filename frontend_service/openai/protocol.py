@@ -63,6 +63,14 @@ class StructuredOutputs(BaseModel):
     grammar: StrictStr | None = None
     json_object: StrictBool | None = None
     structural_tag: StrictStr | dict[str, Any] | None = None
+    disable_any_whitespace: StrictBool = False
+
+    @property
+    def has_kind(self) -> bool:
+        return any(
+            v is not None
+            for v in (self.json_, self.regex, self.choice, self.grammar, self.json_object, self.structural_tag)
+        )
 
     def to_params(self) -> StructuredOutputsParams:
         import json
@@ -72,6 +80,7 @@ class StructuredOutputs(BaseModel):
             json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar,
             json_object=self.json_object,
             structural_tag=json.dumps(tag) if isinstance(tag, dict) else tag,
+            disable_any_whitespace=self.disable_any_whitespace,
         )
 
 
@@ -153,13 +162,18 @@ class _SamplingBody(_Body):
                     "response_format.json_schema", None, "type json_schema needs json_schema.schema"
                 )
             from_format = StructuredOutputsParams(json=fmt.json_schema.schema_)
-        if self.structured_outputs is None:
+        extra = self.structured_outputs
+        if extra is None:
             return from_format
-        if from_format is not None:
+        if from_format is None:
+            return extra.to_params()
+        if extra.has_kind:
             raise InvalidRequestError(
                 "structured_outputs", "...", "give either response_format or structured_outputs"
             )
-        return self.structured_outputs.to_params()
+        # Only modifiers (disable_any_whitespace) beside a response_format: they apply to it.
+        from_format.disable_any_whitespace = extra.disable_any_whitespace
+        return from_format
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
