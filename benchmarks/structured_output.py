@@ -2,7 +2,8 @@
 
 Three parts, each printed as a table:
 1. ``steps``: decode steps of B requests on ``--model``, unconstrained vs constrained
-   (``json_object``, whose free-text strings keep a random model decoding), with the
+   (a JSON array of at least 100 strings: structure and free text, and long enough that
+   no request completes while measured), with the
    mask filled on the worker thread during the forward (the engine's default) and on the
    step thread (``overlap=False``), plus the time of the mask fill and of its
    application to the logits.
@@ -49,6 +50,7 @@ SCHEMA = {
     "required": ["name", "age", "tags", "address"],
     "additionalProperties": False,
 }
+LONG_SCHEMA = {"type": "array", "items": {"type": "string"}, "minItems": 100}
 REGEX = r"[a-z]{3,8}-[0-9]{3,4}(\.[a-z]{2,3})?"
 GRAMMAR = 'root ::= item ("," item)*\nitem ::= "(" [0-9]+ ":" [a-z]+ ")"'
 
@@ -60,7 +62,7 @@ def _decode_steps(core: EngineCore, batch: int, constrained: bool, steps: int) -
     """Mean decode-step wall time (ms) and the mask parts of it, over ``steps`` steps."""
     rng = random.Random(batch)
     vocab = core.model_config.vocab_size
-    so = StructuredOutputsParams(json_object=True) if constrained else None
+    so = StructuredOutputsParams(json=json.dumps(LONG_SCHEMA)) if constrained else None
     for i in range(batch):
         prompt = [rng.randrange(10, vocab) for _ in range(32)]
         params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True, structured_outputs=so)
