@@ -115,6 +115,13 @@ class EngineConfig:
     num_threads: int | None = field(
         default=None, metadata={"help": "torch intra-op threads on CPU; default: all cores."}
     )
+    profiler_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Directory for torch profiler traces taken between start_profile and "
+            "stop_profile (vLLM's VLLM_TORCH_PROFILER_DIR); default: profiling off."
+        },
+    )
     structured_output_cache_size: int = field(
         default=256,
         metadata={

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import time
 from typing import Any
@@ -17,7 +18,7 @@ from engine_service.admission import (
 )
 from engine_service.attention import AttentionMetadata
 from engine_service.config import ConfigError, EngineConfig
-from engine_service.cpu import keep_freed_memory_mapped
+from engine_service.cpu import keep_freed_memory_mapped, release_free_memory
 from engine_service.kv_cache.manager import KVCacheManager
 from engine_service.model_runner import (
     ModelRunner,
@@ -27,6 +28,7 @@ from engine_service.model_runner import (
     profile_num_gpu_blocks,
 )
 from engine_service.models.loader import load_model
+from engine_service.profiler import Profiler
 from engine_service.request import Request
 from engine_service.scheduler import Scheduler, SchedulerOutput
 from engine_service.structured_output import StructuredOutputManager
@@ -36,8 +38,10 @@ from tandem.protocol.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    ErrorCode,
     FinishReason,
     IterationStats,
+    RequestError,
 )
 from tandem.protocol.sampling_params import InvalidRequestError
 
@@ -47,11 +51,17 @@ logger = logging.getLogger(__name__)
 _COMPILE_POLL_S = 0.005
 
 
+class EngineBusyError(RuntimeError):
+    """An operation that needs an idle engine was asked of a busy one."""
+
+
 class EngineCore:
     """One engine: model, KV cache, scheduler. Not thread-safe: one thread drives it.
 
     ``EngineCoreLoop`` (core_loop.py) puts a thread and queues around it for services.
     """
+
+    supported_tasks: tuple[str, ...] = ("generate",)  # vLLM's get_supported_tasks()
 
     def __init__(self, config: EngineConfig, engine_index: int = 0, tracer: Any = None) -> None:
         """``tracer``: an OpenTelemetry tracer to record the start-up phases (model load,
@@ -68,12 +78,9 @@ class EngineCore:
 
         start = time.perf_counter()
         ops = get_ops(config.resolved_attention_backend)
+        self._ops = ops
         with _phase(tracer, "load_model") as span:
-            self.model, self.model_config = load_model(
-                config.model, config.torch_dtype, config.torch_device, ops
-            )
-            if config.resolved_linear_backend == "onednn":
-                self.model.pack_linears()
+            self.model, self.model_config = self._load_model()
             if span is not None:
                 span.set_attributes({
                     "tandem.model": config.model,
@@ -90,9 +97,7 @@ class EngineCore:
             )
         with _phase(tracer, "allocate_kv_cache") as span:
             self.num_blocks = self._num_kv_blocks()
-            kv_caches = allocate_kv_caches(
-                self.model_config, self.num_blocks, config.block_size, config.torch_dtype, config.torch_device
-            )
+            kv_caches = self._allocate_kv_caches()
             if span is not None:
                 span.set_attributes({
                     "tandem.kv_cache.num_blocks": self.num_blocks,
@@ -122,6 +127,8 @@ class EngineCore:
         # next outputs report them.
         self._aborted: list[Request] = []
         self.admission = AdmissionController(self._admission_limits())
+        self.sleep_level = 0  # 0: awake; 1: KV cache released; 2: weights released too
+        self.profiler = Profiler(config.profiler_dir, engine_index)
         logger.info(
             "engine %d ready in %.1fs: %s, %d KV blocks of %d tokens, max_model_len %d",
             engine_index,
@@ -133,6 +140,19 @@ class EngineCore:
         )
 
     # ---- start-up -----------------------------------------------------------------
+
+    def _load_model(self) -> tuple[torch.nn.Module, ModelConfig]:
+        cfg = self.config
+        model, model_config = load_model(cfg.model, cfg.torch_dtype, cfg.torch_device, self._ops)
+        if cfg.resolved_linear_backend == "onednn":
+            model.pack_linears()
+        return model, model_config
+
+    def _allocate_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        cfg = self.config
+        return allocate_kv_caches(
+            self.model_config, self.num_blocks, cfg.block_size, cfg.torch_dtype, cfg.torch_device
+        )
 
     def _resolve_max_model_len(self, mc: ModelConfig) -> int:
         limit = mc.max_position_embeddings
@@ -238,6 +258,10 @@ class EngineCore:
         self._queue(req, admission=True)
 
     def _queue(self, req: EngineCoreRequest, admission: bool) -> None:
+        if self.sleep_level:
+            raise RequestRejected(
+                RequestError(ErrorCode.UNAVAILABLE, "the engine is asleep (sleep mode): wake it up first")
+            )
         self.validate_request(req)
         if req.request_id in self.scheduler.requests:
             raise InvalidRequestError("request_id", req.request_id, "a request with this id is running")
@@ -259,6 +283,57 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> int:
         return self.kv_manager.reset_prefix_cache()
+
+    # ---- sleep mode (vLLM's sleep / wake_up / is_sleeping) ------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Give back memory while idle. Level 1: the KV cache (and, on CUDA, the weights
+        move to host memory); level 2: the weights too (reloaded from the checkpoint on
+        wake). The prefix cache is dropped. Requests that arrive while asleep are refused
+        with UNAVAILABLE. Raises EngineBusyError while requests are unfinished."""
+        if isinstance(level, bool) or level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
+        if self.has_unfinished_requests():
+            raise EngineBusyError(
+                f"cannot sleep with {self.scheduler.num_unfinished} unfinished requests: "
+                "let them finish (pause the frontend first) or abort them"
+            )
+        if level <= self.sleep_level:
+            return
+        self.kv_manager.reset_prefix_cache()
+        self.runner.kv_caches = []
+        if level == 2:
+            self.model = self.runner.model = None  # type: ignore[assignment]
+        elif self.config.torch_device.type == "cuda":
+            self.model.to("cpu")
+        self.sleep_level = level
+        gc.collect()
+        if self.config.torch_device.type == "cuda":
+            torch.cuda.empty_cache()
+        else:
+            release_free_memory()
+        logger.info("engine %d asleep at level %d", self.engine_index, level)
+
+    def wake_up(self) -> None:
+        """Undo ``sleep``: weights back (reloaded at level 2), a fresh KV cache."""
+        if not self.sleep_level:
+            return
+        if self.sleep_level == 2:
+            self.model, _ = self._load_model()
+            self.runner.model = self.model
+        elif self.config.torch_device.type == "cuda":
+            self.model.to(self.config.torch_device)
+        self.runner.kv_caches = self._allocate_kv_caches()
+        self.sleep_level = 0
+        logger.info("engine %d awake", self.engine_index)
+
+    def is_sleeping(self) -> bool:
+        return self.sleep_level > 0
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes the KV cache tensors hold now (0 while asleep)."""
+        return sum(k.nbytes + v.nbytes for k, v in self.runner.kv_caches)
 
     # ---- the step ---------------------------------------------------------------------
 

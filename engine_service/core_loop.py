@@ -68,12 +68,40 @@ class EngineDead:
     message: str
 
 
-# Utility methods a client may call by name, each taking the core and positional args.
+# Utility methods a client may call by name (vLLM's names), each taking the core and
+# positional args.
 UTILITY_METHODS: dict[str, Callable[..., Any]] = {
     "reset_prefix_cache": lambda core: core.reset_prefix_cache(),
     "num_unfinished_requests": lambda core: core.scheduler.num_unfinished,
     "is_idle": lambda core: not core.has_unfinished_requests(),
+    "sleep": lambda core, level=1: core.sleep(level),
+    "wake_up": lambda core: core.wake_up(),
+    "is_sleeping": lambda core: core.is_sleeping(),
+    "kv_cache_bytes": lambda core: core.kv_cache_bytes,
+    "start_profile": lambda core: core.profiler.start(),
+    "stop_profile": lambda core: core.profiler.stop(),
+    "get_supported_tasks": lambda core: list(core.supported_tasks),
+    "check_health": lambda core: None,  # answered at all: the step thread is alive
 }
+# What collective_rpc may run on every worker of an engine: read-only or maintenance
+# methods, never one that takes arbitrary code.
+COLLECTIVE_RPC_METHODS = frozenset(
+    {"reset_prefix_cache", "num_unfinished_requests", "is_idle", "is_sleeping", "kv_cache_bytes",
+     "get_supported_tasks", "check_health"}
+)
+
+
+def _collective_rpc(core: EngineCore, method: str, *args: Any) -> list[Any]:
+    """vLLM's collective_rpc: ``method`` on every worker of this engine, one result each
+    (one worker today; tensor parallelism adds ranks)."""
+    if method not in COLLECTIVE_RPC_METHODS:
+        raise ValueError(
+            f"collective_rpc method {method!r} is not allowed; allowed: {sorted(COLLECTIVE_RPC_METHODS)}"
+        )
+    return [UTILITY_METHODS[method](core, *args)]
+
+
+UTILITY_METHODS["collective_rpc"] = _collective_rpc
 
 
 class EngineCoreLoop:

@@ -1,17 +1,28 @@
-"""The frontend's ``tandem.v1.FrontendAdmin`` servicer: engine membership at run time.
+"""The frontend's ``tandem.v1.FrontendAdmin`` servicer: engine membership at run time,
+and the engine utilities (sleep mode, profiling, prefix cache, health, collective_rpc).
 
-Thin: protobuf in, ``EngineGroup.add`` / ``remove`` / ``describe``, protobuf out; every
-failure goes through ``errors.abort_with``. Who may call it is the auth interceptor's
-business (every method here is an admin method).
+Thin: protobuf in, ``EngineGroup.add`` / ``remove`` / ``describe`` or an AsyncLLM
+utility (frontend_service/utilities.py), protobuf out; every failure goes through
+``errors.abort_with``. Who may call it is the auth interceptor's business (every method
+here is an admin method).
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
 import grpc
 
+from frontend_service.engine_client import EngineUnavailableError
 from frontend_service.engine_group import EngineGroup, EngineState, EngineStatus
 from frontend_service.errors import abort_with
+from tandem.protocol.sampling_params import InvalidRequestError
 from tandem.v1 import frontend_pb2, frontend_pb2_grpc
+
+if TYPE_CHECKING:
+    from frontend_service.async_llm import AsyncLLM
 
 SERVICE_NAME = frontend_pb2.DESCRIPTOR.services_by_name["FrontendAdmin"].full_name
 
@@ -39,6 +50,68 @@ def status_to_proto(status: EngineStatus) -> frontend_pb2.EngineStatus:
 class FrontendAdminServicer(frontend_pb2_grpc.FrontendAdminServicer):
     def __init__(self, group: EngineGroup) -> None:
         self.group = group
+        self.llm: AsyncLLM | None = None  # set once the engines are connected
+
+    async def _utility(
+        self, context: grpc.aio.ServicerContext, call: Callable[[AsyncLLM], Awaitable[Any]]
+    ) -> Any:
+        try:
+            if self.llm is None:
+                raise EngineUnavailableError("the frontend is not connected to its engines yet")
+            return await call(self.llm)
+        except Exception as exc:
+            await abort_with(context, exc)
+
+    async def Sleep(
+        self, request: frontend_pb2.SleepRequest, context: grpc.aio.ServicerContext
+    ) -> frontend_pb2.SleepResponse:
+        level = request.level or 1
+        if level not in (1, 2):
+            await abort_with(context, InvalidRequestError("level", level, "must be 1 or 2"))
+        await self._utility(context, lambda llm: llm.sleep(level))
+        return frontend_pb2.SleepResponse()
+
+    async def WakeUp(
+        self, request: frontend_pb2.WakeUpRequest, context: grpc.aio.ServicerContext
+    ) -> frontend_pb2.WakeUpResponse:
+        await self._utility(context, lambda llm: llm.wake_up())
+        return frontend_pb2.WakeUpResponse()
+
+    async def IsSleeping(
+        self, request: frontend_pb2.IsSleepingRequest, context: grpc.aio.ServicerContext
+    ) -> frontend_pb2.IsSleepingResponse:
+        sleeping = await self._utility(context, lambda llm: llm.is_sleeping())
+        return frontend_pb2.IsSleepingResponse(is_sleeping=sleeping)
+
+    async def ResetPrefixCache(
+        self, request: frontend_pb2.FrontendResetPrefixCacheRequest, context: grpc.aio.ServicerContext
+    ) -> frontend_pb2.FrontendResetPrefixCacheResponse:
+        dropped = await self._utility(context, lambda llm: llm.reset_prefix_cache())
+        return frontend_pb2.FrontendResetPrefixCacheResponse(num_blocks_dropped=dropped)
+
+    async def StartProfile(
+        self, request: frontend_pb2.StartProfileRequest, context: grpc.aio.ServicerContext
+    ) -> frontend_pb2.StartProfileResponse:
+        await self._utility(context, lambda llm: llm.start_profile())
+        return frontend_pb2.StartProfileResponse()
+
+    async def StopProfile(
+        self, request: frontend_pb2.StopProfileRequest, context: grpc.aio.ServicerContext
+    ) -> frontend_pb2.StopProfileResponse:
+        paths = await self._utility(context, lambda llm: llm.stop_profile())
+        return frontend_pb2.StopProfileResponse(trace_paths=paths)
+
+    async def CheckHealth(
+        self, request: frontend_pb2.CheckHealthRequest, context: grpc.aio.ServicerContext
+    ) -> frontend_pb2.CheckHealthResponse:
+        await self._utility(context, lambda llm: llm.check_health())
+        return frontend_pb2.CheckHealthResponse()
+
+    async def CollectiveRpc(
+        self, request: frontend_pb2.CollectiveRpcRequest, context: grpc.aio.ServicerContext
+    ) -> frontend_pb2.CollectiveRpcResponse:
+        results = await self._utility(context, lambda llm: llm.collective_rpc(request.method))
+        return frontend_pb2.CollectiveRpcResponse(results=[json.dumps(r) for r in results])
 
     async def AddEngine(
         self, request: frontend_pb2.AddEngineRequest, context: grpc.aio.ServicerContext

@@ -36,6 +36,7 @@ from frontend_service.input_processor import InputProcessor, ProcessedRequest
 from frontend_service.metrics import FrontendMetrics, SequenceTimes
 from frontend_service.output_processor import OutputProcessor
 from frontend_service.outputs import RequestOutput, merge_request_outputs
+from frontend_service.utilities import EngineUtilities
 from tandem import telemetry
 from tandem.protocol.outputs import (
     EngineCoreOutput,
@@ -76,7 +77,7 @@ class _Stream:
     got_output: bool = False  # an engine produced something for it
 
 
-class AsyncLLM:
+class AsyncLLM(EngineUtilities):
     def __init__(
         self,
         tokenizer: Any,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import grpc
 
 from tandem.protocol import convert
-from tandem.protocol.outputs import EngineCoreOutputs, EngineCoreRequest
+from tandem.protocol.outputs import EngineCoreOutputs, EngineCoreRequest, UtilityOutput
 from tandem.security import EngineChannelSecurity
 from tandem.v1 import engine_pb2, engine_pb2_grpc
 
@@ -36,6 +36,11 @@ CHANNEL_OPTIONS = [
 
 class EngineUnavailableError(RuntimeError):
     """No engine can take or finish the request. Maps to gRPC UNAVAILABLE."""
+
+
+class UtilityCallError(RuntimeError):
+    """An engine answered a utility call with a failure (unknown method, bad arguments,
+    or the method raised). Maps to gRPC FAILED_PRECONDITION."""
 
 
 class TokenizerMismatchError(RuntimeError):
@@ -91,6 +96,9 @@ class EngineConnection:
         self._reconnector: asyncio.Task[None] | None = None
         self._fingerprint = ""
         self._closing = False
+        # Utility calls sent on the stream and not answered yet: call id -> future.
+        self._utility_calls: dict[int, asyncio.Future[object]] = {}
+        self._next_call_id = 1
 
     async def fetch_info(self, timeout: float) -> engine_pb2.GetEngineInfoResponse:
         """Wait (up to ``timeout``) for the engine to answer and return its info.
@@ -148,6 +156,8 @@ class EngineConnection:
                 for out in outs.outputs:
                     if out.finished:
                         self.in_flight.discard(out.request_id)
+                if outs.utility_output is not None:
+                    self._answer(outs.utility_output)
                 self.on_outputs(self, outs)
         except grpc.aio.AioRpcError as exc:
             reason = f"{exc.code().name}: {exc.details()}"
@@ -155,6 +165,30 @@ class EngineConnection:
             reason = "the frontend is shutting down"
         finally:
             self._mark_dead(reason)
+
+    def _answer(self, out: UtilityOutput) -> None:
+        future = self._utility_calls.pop(out.call_id, None)
+        if future is None or future.done():
+            return
+        if out.failure_message is not None:
+            future.set_exception(UtilityCallError(f"engine {self.index}: {out.failure_message}"))
+        else:
+            future.set_result(out.result)
+
+    async def call_utility(self, method: str, *args: object, timeout: float = 60.0) -> object:
+        """Call one of the engine's utility methods (vLLM's names, see
+        engine_service.core_loop.UTILITY_METHODS) on this stream and return its result."""
+        if not self.alive:
+            raise EngineUnavailableError(self.dead_reason or f"engine at {self.address} is not connected")
+        call_id = self._next_call_id
+        self._next_call_id += 1
+        future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        self._utility_calls[call_id] = future
+        self._send.put_nowait(convert.utility_input(call_id, method, args))
+        try:
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self._utility_calls.pop(call_id, None)
 
     def _mark_dead(self, reason: str) -> None:
         if not self.alive:
@@ -165,6 +199,10 @@ class EngineConnection:
         # Our own shutdown and a drained engine leaving are not errors; anything else is.
         logger.log(logging.INFO if self._closing or self.draining else logging.ERROR, self.dead_reason)
         self._send.put_nowait(None)  # ends the old stream's request iterator
+        calls, self._utility_calls = self._utility_calls, {}
+        for future in calls.values():
+            if not future.done():
+                future.set_exception(EngineUnavailableError(self.dead_reason))
         self.on_dead(self, self.dead_reason)
         if not self._closing:
             self._reconnector = asyncio.ensure_future(self._reconnect())

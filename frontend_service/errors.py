@@ -19,7 +19,11 @@ from grpc_status import rpc_status
 
 from frontend_service.admission import RequestFailedError
 from frontend_service.discovery import InvalidTargetError
-from frontend_service.engine_client import EngineUnavailableError, TokenizerMismatchError
+from frontend_service.engine_client import (
+    EngineUnavailableError,
+    TokenizerMismatchError,
+    UtilityCallError,
+)
 from frontend_service.engine_group import EngineExistsError, EngineNotFoundError
 from tandem.protocol.convert import ConversionError, EngineDeadError
 from tandem.protocol.sampling_params import InvalidRequestError
@@ -44,7 +48,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.ALREADY_EXISTS, str(exc)
     if isinstance(exc, EngineNotFoundError):
         return grpc.StatusCode.NOT_FOUND, str(exc)
-    if isinstance(exc, TokenizerMismatchError):
+    if isinstance(exc, TokenizerMismatchError | UtilityCallError):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, asyncio.CancelledError):
         return grpc.StatusCode.CANCELLED, "the request was cancelled"

@@ -78,6 +78,39 @@ class LLM:
                 self.engine.abort_requests(processed_outputs.reqs_to_abort)
         return [results[rid] for rid in order]
 
+    # ---- the engine API beyond generation (vLLM's names) ------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Give back the KV cache (level 1) and the weights too (level 2) until wake_up."""
+        self.engine.sleep(level)
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping()
+
+    def reset_prefix_cache(self) -> int:
+        """Drop the cached prefixes; returns how many blocks were dropped."""
+        return self.engine.reset_prefix_cache()
+
+    def start_profile(self) -> None:
+        """Start a torch profiler trace (needs ``profiler_dir=``)."""
+        self.engine.profiler.start()
+
+    def stop_profile(self) -> str:
+        """Stop the trace; returns the file written."""
+        return self.engine.profiler.stop()
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        return self.engine.supported_tasks
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        """An allow-listed engine method on every worker; one result per worker."""
+        from engine_service.core_loop import UTILITY_METHODS
+
+        return UTILITY_METHODS["collective_rpc"](self.engine, method, *args)
+
 
 def _is_chat(value: Any) -> bool:
     return (

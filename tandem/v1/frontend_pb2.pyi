@@ -281,3 +281,79 @@ class ListEnginesResponse(_message.Message):
     ENGINES_FIELD_NUMBER: _ClassVar[int]
     engines: _containers.RepeatedCompositeFieldContainer[EngineStatus]
     def __init__(self, engines: _Optional[_Iterable[_Union[EngineStatus, _Mapping]]] = ...) -> None: ...
+
+class SleepRequest(_message.Message):
+    __slots__ = ("level",)
+    LEVEL_FIELD_NUMBER: _ClassVar[int]
+    level: int
+    def __init__(self, level: _Optional[int] = ...) -> None: ...
+
+class SleepResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WakeUpRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WakeUpResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class IsSleepingRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class IsSleepingResponse(_message.Message):
+    __slots__ = ("is_sleeping",)
+    IS_SLEEPING_FIELD_NUMBER: _ClassVar[int]
+    is_sleeping: bool
+    def __init__(self, is_sleeping: _Optional[bool] = ...) -> None: ...
+
+class FrontendResetPrefixCacheRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FrontendResetPrefixCacheResponse(_message.Message):
+    __slots__ = ("num_blocks_dropped",)
+    NUM_BLOCKS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    num_blocks_dropped: int
+    def __init__(self, num_blocks_dropped: _Optional[int] = ...) -> None: ...
+
+class StartProfileRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StartProfileResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StopProfileRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StopProfileResponse(_message.Message):
+    __slots__ = ("trace_paths",)
+    TRACE_PATHS_FIELD_NUMBER: _ClassVar[int]
+    trace_paths: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, trace_paths: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CheckHealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CheckHealthResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CollectiveRpcRequest(_message.Message):
+    __slots__ = ("method",)
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    method: str
+    def __init__(self, method: _Optional[str] = ...) -> None: ...
+
+class CollectiveRpcResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, results: _Optional[_Iterable[str]] = ...) -> None: ...

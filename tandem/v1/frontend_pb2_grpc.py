@@ -449,6 +449,46 @@ class FrontendAdminStub:
                 request_serializer=tandem_dot_v1_dot_frontend__pb2.ListEnginesRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_frontend__pb2.ListEnginesResponse.FromString,
                 _registered_method=True)
+        self.Sleep = channel.unary_unary(
+                '/tandem.v1.FrontendAdmin/Sleep',
+                request_serializer=tandem_dot_v1_dot_frontend__pb2.SleepRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_frontend__pb2.SleepResponse.FromString,
+                _registered_method=True)
+        self.WakeUp = channel.unary_unary(
+                '/tandem.v1.FrontendAdmin/WakeUp',
+                request_serializer=tandem_dot_v1_dot_frontend__pb2.WakeUpRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_frontend__pb2.WakeUpResponse.FromString,
+                _registered_method=True)
+        self.IsSleeping = channel.unary_unary(
+                '/tandem.v1.FrontendAdmin/IsSleeping',
+                request_serializer=tandem_dot_v1_dot_frontend__pb2.IsSleepingRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_frontend__pb2.IsSleepingResponse.FromString,
+                _registered_method=True)
+        self.ResetPrefixCache = channel.unary_unary(
+                '/tandem.v1.FrontendAdmin/ResetPrefixCache',
+                request_serializer=tandem_dot_v1_dot_frontend__pb2.FrontendResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_frontend__pb2.FrontendResetPrefixCacheResponse.FromString,
+                _registered_method=True)
+        self.StartProfile = channel.unary_unary(
+                '/tandem.v1.FrontendAdmin/StartProfile',
+                request_serializer=tandem_dot_v1_dot_frontend__pb2.StartProfileRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_frontend__pb2.StartProfileResponse.FromString,
+                _registered_method=True)
+        self.StopProfile = channel.unary_unary(
+                '/tandem.v1.FrontendAdmin/StopProfile',
+                request_serializer=tandem_dot_v1_dot_frontend__pb2.StopProfileRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_frontend__pb2.StopProfileResponse.FromString,
+                _registered_method=True)
+        self.CheckHealth = channel.unary_unary(
+                '/tandem.v1.FrontendAdmin/CheckHealth',
+                request_serializer=tandem_dot_v1_dot_frontend__pb2.CheckHealthRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_frontend__pb2.CheckHealthResponse.FromString,
+                _registered_method=True)
+        self.CollectiveRpc = channel.unary_unary(
+                '/tandem.v1.FrontendAdmin/CollectiveRpc',
+                request_serializer=tandem_dot_v1_dot_frontend__pb2.CollectiveRpcRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_frontend__pb2.CollectiveRpcResponse.FromString,
+                _registered_method=True)
 
 
 class FrontendAdminServicer:
@@ -486,6 +526,68 @@ class FrontendAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Sleep(self, request, context):
+        """Sleep mode (vLLM's sleep): new requests wait, in-flight ones finish, then every
+        engine gives back its KV cache (level 1) and its weights too (level 2, reloaded
+        from the checkpoint on WakeUp). Returns when every engine sleeps.
+        INVALID_ARGUMENT: a level other than 1 or 2.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WakeUp(self, request, context):
+        """Ends sleep mode: every engine gets its weights and KV cache back, then the
+        requests that waited run.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def IsSleeping(self, request, context):
+        """Whether any engine is asleep.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResetPrefixCache(self, request, context):
+        """Drops every engine's prefix cache (blocks not in use by a running request).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StartProfile(self, request, context):
+        """Starts a torch profiler trace on every engine. FAILED_PRECONDITION: an engine
+        was started without --profiler-dir.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StopProfile(self, request, context):
+        """Stops the trace and writes it on each engine's host.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CheckHealth(self, request, context):
+        """OK when every engine answers; UNAVAILABLE otherwise, naming the engine.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CollectiveRpc(self, request, context):
+        """vLLM's collective_rpc: an allow-listed engine method on every worker of every
+        engine. FAILED_PRECONDITION: a method not on the list.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FrontendAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -503,6 +605,46 @@ def add_FrontendAdminServicer_to_server(servicer, server):
                     servicer.ListEngines,
                     request_deserializer=tandem_dot_v1_dot_frontend__pb2.ListEnginesRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_frontend__pb2.ListEnginesResponse.SerializeToString,
+            ),
+            'Sleep': grpc.unary_unary_rpc_method_handler(
+                    servicer.Sleep,
+                    request_deserializer=tandem_dot_v1_dot_frontend__pb2.SleepRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_frontend__pb2.SleepResponse.SerializeToString,
+            ),
+            'WakeUp': grpc.unary_unary_rpc_method_handler(
+                    servicer.WakeUp,
+                    request_deserializer=tandem_dot_v1_dot_frontend__pb2.WakeUpRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_frontend__pb2.WakeUpResponse.SerializeToString,
+            ),
+            'IsSleeping': grpc.unary_unary_rpc_method_handler(
+                    servicer.IsSleeping,
+                    request_deserializer=tandem_dot_v1_dot_frontend__pb2.IsSleepingRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_frontend__pb2.IsSleepingResponse.SerializeToString,
+            ),
+            'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetPrefixCache,
+                    request_deserializer=tandem_dot_v1_dot_frontend__pb2.FrontendResetPrefixCacheRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_frontend__pb2.FrontendResetPrefixCacheResponse.SerializeToString,
+            ),
+            'StartProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartProfile,
+                    request_deserializer=tandem_dot_v1_dot_frontend__pb2.StartProfileRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_frontend__pb2.StartProfileResponse.SerializeToString,
+            ),
+            'StopProfile': grpc.unary_unary_rpc_method_handler(
+                    servicer.StopProfile,
+                    request_deserializer=tandem_dot_v1_dot_frontend__pb2.StopProfileRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_frontend__pb2.StopProfileResponse.SerializeToString,
+            ),
+            'CheckHealth': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckHealth,
+                    request_deserializer=tandem_dot_v1_dot_frontend__pb2.CheckHealthRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_frontend__pb2.CheckHealthResponse.SerializeToString,
+            ),
+            'CollectiveRpc': grpc.unary_unary_rpc_method_handler(
+                    servicer.CollectiveRpc,
+                    request_deserializer=tandem_dot_v1_dot_frontend__pb2.CollectiveRpcRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_frontend__pb2.CollectiveRpcResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -590,6 +732,222 @@ class FrontendAdmin:
             '/tandem.v1.FrontendAdmin/ListEngines',
             tandem_dot_v1_dot_frontend__pb2.ListEnginesRequest.SerializeToString,
             tandem_dot_v1_dot_frontend__pb2.ListEnginesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Sleep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.FrontendAdmin/Sleep',
+            tandem_dot_v1_dot_frontend__pb2.SleepRequest.SerializeToString,
+            tandem_dot_v1_dot_frontend__pb2.SleepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WakeUp(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.FrontendAdmin/WakeUp',
+            tandem_dot_v1_dot_frontend__pb2.WakeUpRequest.SerializeToString,
+            tandem_dot_v1_dot_frontend__pb2.WakeUpResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IsSleeping(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.FrontendAdmin/IsSleeping',
+            tandem_dot_v1_dot_frontend__pb2.IsSleepingRequest.SerializeToString,
+            tandem_dot_v1_dot_frontend__pb2.IsSleepingResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetPrefixCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.FrontendAdmin/ResetPrefixCache',
+            tandem_dot_v1_dot_frontend__pb2.FrontendResetPrefixCacheRequest.SerializeToString,
+            tandem_dot_v1_dot_frontend__pb2.FrontendResetPrefixCacheResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.FrontendAdmin/StartProfile',
+            tandem_dot_v1_dot_frontend__pb2.StartProfileRequest.SerializeToString,
+            tandem_dot_v1_dot_frontend__pb2.StartProfileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StopProfile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.FrontendAdmin/StopProfile',
+            tandem_dot_v1_dot_frontend__pb2.StopProfileRequest.SerializeToString,
+            tandem_dot_v1_dot_frontend__pb2.StopProfileResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckHealth(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.FrontendAdmin/CheckHealth',
+            tandem_dot_v1_dot_frontend__pb2.CheckHealthRequest.SerializeToString,
+            tandem_dot_v1_dot_frontend__pb2.CheckHealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CollectiveRpc(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.FrontendAdmin/CollectiveRpc',
+            tandem_dot_v1_dot_frontend__pb2.CollectiveRpcRequest.SerializeToString,
+            tandem_dot_v1_dot_frontend__pb2.CollectiveRpcResponse.FromString,
             options,
             channel_credentials,
             insecure,
