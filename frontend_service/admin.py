@@ -84,10 +84,10 @@ class FrontendAdminServicer(frontend_pb2_grpc.FrontendAdminServicer):
         return frontend_pb2.IsSleepingResponse(is_sleeping=sleeping)
 
     async def ResetPrefixCache(
-        self, request: frontend_pb2.FrontendResetPrefixCacheRequest, context: grpc.aio.ServicerContext
-    ) -> frontend_pb2.FrontendResetPrefixCacheResponse:
+        self, request: frontend_pb2.FrontendAdminResetPrefixCacheRequest, context: grpc.aio.ServicerContext
+    ) -> frontend_pb2.FrontendAdminResetPrefixCacheResponse:
         dropped = await self._utility(context, lambda llm: llm.reset_prefix_cache())
-        return frontend_pb2.FrontendResetPrefixCacheResponse(num_blocks_dropped=dropped)
+        return frontend_pb2.FrontendAdminResetPrefixCacheResponse(num_blocks_dropped=dropped)
 
     async def StartProfile(
         self, request: frontend_pb2.StartProfileRequest, context: grpc.aio.ServicerContext

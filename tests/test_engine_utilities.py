@@ -144,7 +144,7 @@ def test_sleep_wake_over_grpc(stack: Stack, admin: frontend_pb2_grpc.FrontendAdm
 
 def test_admin_utilities_over_grpc(stack: Stack, admin: frontend_pb2_grpc.FrontendAdminStub) -> None:
     admin.CheckHealth(frontend_pb2.CheckHealthRequest(), timeout=10, metadata=ADMIN_METADATA)
-    admin.ResetPrefixCache(frontend_pb2.FrontendResetPrefixCacheRequest(), timeout=10, metadata=ADMIN_METADATA)
+    admin.ResetPrefixCache(frontend_pb2.FrontendAdminResetPrefixCacheRequest(), timeout=10, metadata=ADMIN_METADATA)
     tasks = admin.CollectiveRpc(
         frontend_pb2.CollectiveRpcRequest(method="get_supported_tasks"), timeout=10, metadata=ADMIN_METADATA
     )

@@ -310,11 +310,11 @@ class IsSleepingResponse(_message.Message):
     is_sleeping: bool
     def __init__(self, is_sleeping: _Optional[bool] = ...) -> None: ...
 
-class FrontendResetPrefixCacheRequest(_message.Message):
+class FrontendAdminResetPrefixCacheRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class FrontendResetPrefixCacheResponse(_message.Message):
+class FrontendAdminResetPrefixCacheResponse(_message.Message):
     __slots__ = ("num_blocks_dropped",)
     NUM_BLOCKS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     num_blocks_dropped: int

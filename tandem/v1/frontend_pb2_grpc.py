@@ -466,8 +466,8 @@ class FrontendAdminStub:
                 _registered_method=True)
         self.ResetPrefixCache = channel.unary_unary(
                 '/tandem.v1.FrontendAdmin/ResetPrefixCache',
-                request_serializer=tandem_dot_v1_dot_frontend__pb2.FrontendResetPrefixCacheRequest.SerializeToString,
-                response_deserializer=tandem_dot_v1_dot_frontend__pb2.FrontendResetPrefixCacheResponse.FromString,
+                request_serializer=tandem_dot_v1_dot_frontend__pb2.FrontendAdminResetPrefixCacheRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_frontend__pb2.FrontendAdminResetPrefixCacheResponse.FromString,
                 _registered_method=True)
         self.StartProfile = channel.unary_unary(
                 '/tandem.v1.FrontendAdmin/StartProfile',
@@ -623,8 +623,8 @@ def add_FrontendAdminServicer_to_server(servicer, server):
             ),
             'ResetPrefixCache': grpc.unary_unary_rpc_method_handler(
                     servicer.ResetPrefixCache,
-                    request_deserializer=tandem_dot_v1_dot_frontend__pb2.FrontendResetPrefixCacheRequest.FromString,
-                    response_serializer=tandem_dot_v1_dot_frontend__pb2.FrontendResetPrefixCacheResponse.SerializeToString,
+                    request_deserializer=tandem_dot_v1_dot_frontend__pb2.FrontendAdminResetPrefixCacheRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_frontend__pb2.FrontendAdminResetPrefixCacheResponse.SerializeToString,
             ),
             'StartProfile': grpc.unary_unary_rpc_method_handler(
                     servicer.StartProfile,
@@ -838,8 +838,8 @@ class FrontendAdmin:
             request,
             target,
             '/tandem.v1.FrontendAdmin/ResetPrefixCache',
-            tandem_dot_v1_dot_frontend__pb2.FrontendResetPrefixCacheRequest.SerializeToString,
-            tandem_dot_v1_dot_frontend__pb2.FrontendResetPrefixCacheResponse.FromString,
+            tandem_dot_v1_dot_frontend__pb2.FrontendAdminResetPrefixCacheRequest.SerializeToString,
+            tandem_dot_v1_dot_frontend__pb2.FrontendAdminResetPrefixCacheResponse.FromString,
             options,
             channel_credentials,
             insecure,
