@@ -61,7 +61,7 @@ class EngineCore:
     ``EngineCoreLoop`` (core_loop.py) puts a thread and queues around it for services.
     """
 
-    supported_tasks: tuple[str, ...] = ("generate",)  # vLLM's get_supported_tasks()
+    supported_tasks: tuple[str, ...] = ("generate", "embed")  # vLLM's get_supported_tasks()
 
     def __init__(self, config: EngineConfig, engine_index: int = 0, tracer: Any = None) -> None:
         """``tracer``: an OpenTelemetry tracer to record the start-up phases (model load,
@@ -243,7 +243,10 @@ class EngineCore:
             raise InvalidRequestError(
                 f"prompt_token_ids[{index}]", bad, f"token id outside the vocabulary [0, {vocab})"
             )
-        req.sampling_params.validate(vocab, self.config.max_logprobs)
+        if req.pooling_params is not None:
+            req.pooling_params.validate(self.model_config.hidden_size)
+        else:
+            req.sampling_params.validate(vocab, self.config.max_logprobs)
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a request, however long the queue (the in-process LLM, benchmarks).
@@ -350,7 +353,7 @@ class EngineCore:
         result = self.runner.execute(sched) if not sched.is_empty else RunnerOutput()
         now = time.monotonic()
         scheduler.prefill_bound.observe(sched.num_scheduled_tokens, now - start)
-        finished = scheduler.update_after_step(sched, result.sampled)
+        finished = scheduler.update_after_step(sched, result.sampled, result.pooled)
         self.admission.drain_rate.observe(now, scheduler.take_num_admitted(), len(scheduler.waiting))
         return self._make_outputs(sched, result, finished)
 
@@ -370,6 +373,19 @@ class EngineCore:
         for entry in sched.scheduled:
             request = entry.request
             rid = request.request_id
+            pooled = result.pooled.get(rid)
+            if pooled is not None:
+                outputs.append(
+                    EngineCoreOutput(
+                        request_id=rid,
+                        new_token_ids=[],
+                        pooling_output=pooled,
+                        finish_reason=request.finish_reason,
+                        num_cached_tokens=max(request.num_cached_tokens, 0),
+                        trace_headers=request.trace_headers,
+                    )
+                )
+                continue
             token = result.sampled.get(rid)
             if token is None:
                 continue

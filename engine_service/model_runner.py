@@ -11,6 +11,7 @@ import torch
 from engine_service.attention import AttentionMetadata
 from engine_service.config import ConfigError, EngineConfig
 from engine_service.kv_cache.manager import KVCacheManager
+from engine_service.request import Request
 from engine_service.sampler import (
     LogprobsTensors,
     Sampler,
@@ -30,6 +31,7 @@ class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)  # request id -> sampled token
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, Logprobs] = field(default_factory=dict)  # complete ones only
+    pooled: dict[str, list[float]] = field(default_factory=dict)  # pooling request id -> vector
 
 
 @dataclass
@@ -39,6 +41,7 @@ class BatchInputs:
     attn: AttentionMetadata
     sample_rows: list[int]  # row of the last token of each sampling request, in batch order
     sample_idx: list[int]  # index into SchedulerOutput.scheduled of each sampling request
+    pool_idx: list[int]  # index into SchedulerOutput.scheduled of each pooling request
 
 
 def kv_cache_block_bytes(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -94,6 +97,7 @@ class ModelRunner:
         seq_lens = np.zeros(num_seqs, dtype=np.int32)
         sample_rows: list[int] = []
         sample_idx: list[int] = []
+        pool_idx: list[int] = []
         for i, entry in enumerate(sched.scheduled):
             request = entry.request
             start, n = request.num_computed_tokens, entry.num_new_tokens
@@ -106,7 +110,9 @@ class ModelRunner:
             tables.append(block_ids)
             query_start[i + 1] = query_start[i] + n
             seq_lens[i] = start + n
-            if entry.samples:
+            if request.pooling_params is not None:
+                pool_idx.append(i)
+            elif entry.samples:
                 sample_rows.append(int(query_start[i + 1]) - 1)
                 sample_idx.append(i)
         max_blocks = max(len(t) for t in tables)
@@ -126,7 +132,7 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
         )
         positions = torch.from_numpy(np.concatenate(position_chunks)).to(dev)
-        return BatchInputs(input_ids, positions, attn, sample_rows, sample_idx)
+        return BatchInputs(input_ids, positions, attn, sample_rows, sample_idx, pool_idx)
 
     # ---- forward + sampling --------------------------------------------------------
 
@@ -139,6 +145,8 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
         out = RunnerOutput()
         self._prompt_logprobs(sched, batch, hidden, out)
+        if batch.pool_idx:
+            self._pool(sched, batch, hidden, out)
         if not batch.sample_rows:
             return out
         logits = self.model.compute_logits(hidden[batch.sample_rows])  # [B, vocab] float32
@@ -161,6 +169,18 @@ class ModelRunner:
             if num is not None and result.logprobs is not None:
                 out.logprobs[request.request_id] = result.logprobs.to_logprobs([row], num)
         return out
+
+    def _pool(
+        self, sched: SchedulerOutput, batch: BatchInputs, hidden: torch.Tensor, out: RunnerOutput
+    ) -> None:
+        """Pooling requests: their rows of ``hidden`` ([num_tokens, H]) this step."""
+        qsl = batch.attn.query_start_loc.tolist()
+        for i in batch.pool_idx:
+            entry = sched.scheduled[i]
+            request = entry.request
+            vector = _pool_chunk(request, hidden[qsl[i] : qsl[i + 1]], request.num_computed_tokens, entry.samples)
+            if vector is not None:
+                out.pooled[request.request_id] = vector
 
     def _prompt_logprobs(
         self, sched: SchedulerOutput, batch: BatchInputs, hidden: torch.Tensor, out: RunnerOutput
@@ -192,6 +212,36 @@ class ModelRunner:
                 )
                 request.prompt_logprobs_chunks.clear()
                 request.prompt_logprobs_pending = False
+
+
+def _pool_chunk(
+    request: Request, hidden: torch.Tensor, start: int, completes: bool  # hidden: [n, H]
+) -> list[float] | None:
+    """Fold one prefill chunk ``[start, start + n)`` of a pooling request into its state;
+    the finished vector when ``completes`` (the chunk ends the prompt), else None."""
+    params = request.pooling_params
+    if start == 0:  # the prompt's first chunk (also after a preemption restarted it)
+        request.pooling_state = None
+    if params.pooling_type == "MEAN":
+        chunk_sum = hidden.float().sum(dim=0)  # [H]
+        state = request.pooling_state
+        request.pooling_state = chunk_sum if state is None else state + chunk_sum
+    elif params.pooling_type == "CLS" and start == 0:
+        request.pooling_state = hidden[0].float().clone()
+    if not completes:
+        return None
+    if params.pooling_type == "MEAN":
+        vector = request.pooling_state / request.num_prompt_tokens
+    elif params.pooling_type == "CLS":
+        vector = request.pooling_state
+    else:  # LAST
+        vector = hidden[-1].float()
+    if params.dimensions is not None:
+        vector = vector[: params.dimensions]
+    if params.normalize:
+        vector = torch.nn.functional.normalize(vector, dim=0)
+    request.pooling_state = None
+    return vector.tolist()
 
 
 def _join_logprobs(chunks: list[LogprobsTensors], num: int) -> Logprobs:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from tandem.protocol.outputs import EngineCoreRequest, FinishReason, RequestError
+from tandem.protocol.pooling_params import PoolingParams
 from tandem.protocol.sampling_params import SamplingParams
 
 
@@ -116,6 +117,7 @@ class Request:
         trace_headers: dict[str, str] | None = None,
         received_time: float | None = None,
         timeout_s: float | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -154,6 +156,11 @@ class Request:
         # Structured-output state (engine_service.structured_output.StructuredRequest);
         # None for free text.
         self.structured: Any = None
+        # A pooling request: one vector from the prompt's hidden states, no tokens. The
+        # runner accumulates what its pooling type needs chunk by chunk (reset when a
+        # preemption restarts the prompt).
+        self.pooling_params = pooling_params
+        self.pooling_state: torch.Tensor | None = None  # MEAN: running sum; CLS: first state
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:
@@ -169,6 +176,7 @@ class Request:
             trace_headers=req.trace_headers,
             received_time=req.received_time,
             timeout_s=req.timeout_s,
+            pooling_params=req.pooling_params,
         )
 
     @property

@@ -5,6 +5,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from engine_service.admission import PrefillBound
@@ -233,7 +234,8 @@ class Scheduler:
                 parked.append(self.waiting.pop())
                 continue
             hits, num_hit_tokens = [], 0
-            if request.num_computed_tokens == 0:
+            pooling = request.pooling_params
+            if request.num_computed_tokens == 0 and not (pooling and pooling.skips_prefix_cache):
                 hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             n = request.num_tokens - request.num_computed_tokens - num_hit_tokens
             if self._shed_if_late(request, n):
@@ -277,12 +279,13 @@ class Scheduler:
     # ---- after the forward pass -----------------------------------------------
 
     def update_after_step(
-        self, out: SchedulerOutput, sampled: dict[str, int]
+        self, out: SchedulerOutput, sampled: dict[str, int], pooled: Collection[str] = ()
     ) -> list[Request]:
         """Advance computed tokens, append sampled tokens, apply stop checks.
 
-        ``sampled`` maps request id -> the token sampled for it this step. Returns the
-        requests that finished this step (already removed and freed).
+        ``sampled`` maps request id -> the token sampled for it this step; ``pooled``
+        holds the pooling requests whose vector this step completed (they finish with
+        STOP). Returns the requests that finished this step (already removed and freed).
         """
         finished = []
         now = time.monotonic()
@@ -293,6 +296,13 @@ class Scheduler:
                 times.prefill_chunks.append((self._step_start, now, entry.num_new_tokens))
             request.num_computed_tokens += entry.num_new_tokens
             self.kv.cache_blocks(request)
+            if request.request_id in pooled:
+                times.first_token = now
+                self._num_prompt_tokens += request.num_prompt_tokens
+                self.running.remove(request)
+                self._finish(request, FinishReason.STOP, now=now)
+                finished.append(request)
+                continue
             token = sampled.get(request.request_id)
             if token is None:
                 continue

@@ -28,6 +28,7 @@ from typing import Any
 from frontend_service.output_processor import ParentRequest
 from frontend_service.prompt_bound import max_token_chars
 from tandem.protocol.outputs import EngineCoreRequest
+from tandem.protocol.pooling_params import PoolingParams
 from tandem.protocol.sampling_params import InvalidRequestError, SamplingParams
 
 CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
@@ -212,6 +213,46 @@ class InputProcessor:
             for index in range(params.n)
         ]
         return ProcessedRequest(request_id, text, token_ids, params, parent, engine_requests)
+
+    def process_pooling(
+        self,
+        request_id: str,
+        pooling_params: PoolingParams | None = None,
+        *,
+        prompt: str | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        client_index: int = 0,
+        trace_headers: dict[str, str] | None = None,
+        add_special_tokens: bool | None = None,
+    ) -> EngineCoreRequest:
+        """Validate one pooling (embedding) request given as a prompt or token ids; the
+        engine checks ``dimensions`` against the model's hidden size."""
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("request_id", request_id, "must be a non-empty string")
+        params = PoolingParams() if pooling_params is None else pooling_params
+        if not isinstance(params, PoolingParams):
+            raise InvalidRequestError("pooling_params", params, "must be PoolingParams")
+        params.validate()
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidRequestError("priority", priority, "must be an integer")
+        field, _, token_ids = self._prompt_tokens(prompt, prompt_token_ids, None, add_special_tokens)
+        if len(token_ids) > self.max_model_len:
+            raise InvalidRequestError(
+                field, len(token_ids), f"{len(token_ids)} tokens exceed max_model_len {self.max_model_len}"
+            )
+        return EngineCoreRequest(
+            request_id=request_id,
+            prompt_token_ids=list(token_ids),
+            sampling_params=SamplingParams(max_tokens=1),
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            priority=priority,
+            client_index=client_index,
+            external_req_id=request_id,
+            trace_headers=dict(trace_headers) if trace_headers else None,
+            pooling_params=params,
+        )
 
     def _prompt_tokens(
         self,

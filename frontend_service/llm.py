@@ -14,7 +14,8 @@ from engine_service.config import EngineConfig
 from engine_service.core import EngineCore
 from frontend_service.input_processor import InputProcessor
 from frontend_service.output_processor import OutputProcessor
-from frontend_service.outputs import RequestOutput
+from frontend_service.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from tandem.protocol.pooling_params import PoolingParams
 from tandem.protocol.sampling_params import InvalidRequestError, RequestOutputKind, SamplingParams
 
 # A prompt: text, {"prompt_token_ids": [...]} or {"prompt": "..."}, or chat messages.
@@ -77,6 +78,52 @@ class LLM:
             if processed_outputs.reqs_to_abort:
                 self.engine.abort_requests(processed_outputs.reqs_to_abort)
         return [results[rid] for rid in order]
+
+    def encode(
+        self,
+        prompts: str | Mapping[str, Any] | Sequence[str | Mapping[str, Any]],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """One vector per prompt (text or {"prompt_token_ids": [...]}), in prompt order."""
+        if isinstance(prompts, str | Mapping):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params or PoolingParams()] * len(prompts)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompts):
+                raise InvalidRequestError(
+                    "pooling_params", len(params_list), f"needs one per prompt ({len(prompts)})"
+                )
+        order = []
+        for prompt, params in zip(prompts, params_list):
+            request_id = str(self._counter)
+            self._counter += 1
+            request = self.input_processor.process_pooling(request_id, params, **_prompt_kwargs(prompt))
+            self.engine.add_request(request)
+            order.append(request)
+        results: dict[str, PoolingRequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step().outputs:
+                if out.pooling_output is None:
+                    raise RuntimeError(f"pooling request {out.request_id} failed: {out.error}")
+                req = next(r for r in order if r.request_id == out.request_id)
+                results[out.request_id] = PoolingRequestOutput(
+                    out.request_id, PoolingOutput(out.pooling_output), req.prompt_token_ids, out.num_cached_tokens
+                )
+        return [results[r.request_id] for r in order]
+
+    def embed(
+        self,
+        prompts: str | Mapping[str, Any] | Sequence[str | Mapping[str, Any]],
+        pooling_params: PoolingParams | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """``encode`` with the embed task (``.outputs.embedding`` is the vector)."""
+        params = pooling_params or PoolingParams()
+        if params.task != "embed":
+            raise InvalidRequestError("pooling_params.task", params.task, "embed() runs the embed task")
+        return self.encode(prompts, params)
 
     # ---- the engine API beyond generation (vLLM's names) ------------------------------
 

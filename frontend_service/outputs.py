@@ -108,3 +108,25 @@ def merge_request_outputs(earlier: RequestOutput, later: RequestOutput, delta: b
         num_cached_tokens=later.num_cached_tokens,
         usage=later.usage,
     )
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's vector (vLLM's PoolingOutput / EmbeddingOutput)."""
+
+    data: list[float]
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.data
+
+
+@dataclass
+class PoolingRequestOutput:
+    """The result of one pooling (embedding) request: it finishes in one output."""
+
+    request_id: str
+    outputs: PoolingOutput
+    prompt_token_ids: list[int]
+    num_cached_tokens: int = 0
+    finished: bool = True

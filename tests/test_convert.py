@@ -232,14 +232,24 @@ def test_request_optional_strings_keep_empty_apart_from_unset() -> None:
     assert back.cache_salt == "" and back.external_req_id is None and back.eos_token_id is None
 
 
-def test_request_without_sampling_params_is_rejected() -> None:
+def test_request_without_params_is_rejected() -> None:
     with pytest.raises(InvalidRequestError) as info:
         convert.engine_core_request_from_proto(engine_pb2.EngineCoreRequest(request_id="r"))
     assert info.value.field == "sampling_params"
-    pooling = engine_pb2.EngineCoreRequest(request_id="r", pooling_params=engine_pb2.PoolingParams())
-    with pytest.raises(InvalidRequestError) as info:
-        convert.engine_core_request_from_proto(pooling)
-    assert info.value.field == "pooling_params"
+
+
+def test_pooling_request_round_trip() -> None:
+    from tandem.protocol.pooling_params import PoolingParams
+
+    pooling = engine_pb2.EngineCoreRequest(request_id="r", prompt_token_ids=[1, 2], pooling_params=common_pb2.PoolingParams())
+    back = convert.engine_core_request_from_proto(pooling)
+    assert back.pooling_params == PoolingParams()  # every default: embed, LAST, normalized
+    req = EngineCoreRequest("p", [3, 4], SamplingParams(), pooling_params=PoolingParams("embed", "MEAN", False, 8))
+    msg = convert.engine_core_request_to_proto(req)
+    assert msg.WhichOneof("params") == "pooling_params"
+    assert convert.engine_core_request_from_proto(msg).pooling_params == req.pooling_params
+    out = EngineCoreOutput("p", [], finish_reason=FinishReason.STOP, pooling_output=[0.5, -1.0])
+    assert convert.engine_core_output_from_proto(convert.engine_core_output_to_proto(out)).pooling_output == [0.5, -1.0]
 
 
 def test_input_builders_set_the_right_oneof() -> None:

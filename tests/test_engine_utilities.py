@@ -74,7 +74,7 @@ def test_llm_methods(tiny_llama_dir: str, tmp_path: Path) -> None:
     llm.wake_up()
     assert not llm.is_sleeping()
     assert llm.generate("hello there", GREEDY)[0].outputs[0].token_ids == before
-    assert llm.get_supported_tasks() == ("generate",)
+    assert llm.get_supported_tasks() == ("generate", "embed")
     assert llm.collective_rpc("num_unfinished_requests") == [0]
     with pytest.raises(ValueError, match="not allowed"):
         llm.collective_rpc("sleep")
@@ -148,7 +148,7 @@ def test_admin_utilities_over_grpc(stack: Stack, admin: frontend_pb2_grpc.Fronte
     tasks = admin.CollectiveRpc(
         frontend_pb2.CollectiveRpcRequest(method="get_supported_tasks"), timeout=10, metadata=ADMIN_METADATA
     )
-    assert [json.loads(r) for r in tasks.results] == [["generate"]]
+    assert [json.loads(r) for r in tasks.results] == [["generate", "embed"]]
     admin.StartProfile(frontend_pb2.StartProfileRequest(), timeout=10, metadata=ADMIN_METADATA)
     _generate(stack, "profiled")
     paths = admin.StopProfile(frontend_pb2.StopProfileRequest(), timeout=60, metadata=ADMIN_METADATA).trace_paths

@@ -45,6 +45,7 @@ from tandem.protocol.outputs import (
     SchedulerStats,
     UtilityOutput,
 )
+from tandem.protocol.pooling_params import PoolingParams
 from tandem.protocol.sampling_params import InvalidRequestError, RequestOutputKind, SamplingParams
 from tandem.protocol.structured_output import StructuredOutputsParams
 from tandem.v1 import common_pb2, engine_pb2
@@ -68,6 +69,8 @@ __all__ = [
     "logprobs_to_proto",
     "output_kind_from_proto",
     "output_kind_to_proto",
+    "pooling_params_from_proto",
+    "pooling_params_to_proto",
     "request_error_from_proto",
     "request_error_to_proto",
     "sampling_params_from_proto",
@@ -246,13 +249,44 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams
     )
 
 
+_POOLING_TYPES = {"LAST": common_pb2.POOLING_TYPE_LAST, "MEAN": common_pb2.POOLING_TYPE_MEAN,
+                  "CLS": common_pb2.POOLING_TYPE_CLS}
+_POOLING_NAMES = {v: k for k, v in _POOLING_TYPES.items()}
+
+
+def pooling_params_to_proto(pp: PoolingParams) -> common_pb2.PoolingParams:
+    return common_pb2.PoolingParams(
+        task=pp.task,
+        pooling_type=_POOLING_TYPES.get(pp.pooling_type, common_pb2.POOLING_TYPE_UNSPECIFIED),
+        normalize=pp.normalize,
+        dimensions=pp.dimensions,
+    )
+
+
+def pooling_params_from_proto(msg: common_pb2.PoolingParams) -> PoolingParams:
+    """Unset fields take the documented defaults. Does not validate ranges."""
+    pooling_type = msg.pooling_type
+    if pooling_type == common_pb2.POOLING_TYPE_UNSPECIFIED:
+        pooling_type = common_pb2.POOLING_TYPE_LAST
+    if pooling_type not in _POOLING_NAMES:
+        raise InvalidRequestError("pooling_params.pooling_type", pooling_type, "unknown pooling type")
+    return PoolingParams(
+        task=msg.task or "embed",
+        pooling_type=_POOLING_NAMES[pooling_type],  # type: ignore[arg-type]
+        normalize=msg.normalize if msg.HasField("normalize") else True,
+        dimensions=msg.dimensions if msg.HasField("dimensions") else None,
+    )
+
+
 def engine_core_request_to_proto(
     req: EngineCoreRequest, data_parallel_rank: int | None = None
 ) -> engine_pb2.EngineCoreRequest:
+    pooling = req.pooling_params
     return engine_pb2.EngineCoreRequest(
         request_id=req.request_id,
         prompt_token_ids=req.prompt_token_ids,
-        sampling_params=sampling_params_to_proto(req.sampling_params),
+        sampling_params=None if pooling is not None else sampling_params_to_proto(req.sampling_params),
+        pooling_params=None if pooling is None else pooling_params_to_proto(pooling),
         eos_token_id=req.eos_token_id,
         arrival_time=req.arrival_time,
         priority=req.priority,
@@ -266,20 +300,21 @@ def engine_core_request_to_proto(
 
 
 def engine_core_request_from_proto(msg: engine_pb2.EngineCoreRequest) -> EngineCoreRequest:
-    """Raises InvalidRequestError when the request has no sampling params (pooling
-    requests are not supported). ``data_parallel_rank`` is routing information and
-    is not carried over; read it from the message."""
+    """Raises InvalidRequestError when the request has neither sampling nor pooling
+    params. A pooling request gets default (unused) sampling params.
+    ``data_parallel_rank`` is routing information and is not carried over; read it
+    from the message."""
     params = msg.WhichOneof("params")
-    if params != "sampling_params":
-        if params == "pooling_params":
-            raise InvalidRequestError(
-                "pooling_params", "set", "pooling requests are not supported"
-            )
-        raise InvalidRequestError("sampling_params", None, "is required")
+    if params is None:
+        raise InvalidRequestError("sampling_params", None, "is required (or pooling_params)")
+    pooling = pooling_params_from_proto(msg.pooling_params) if params == "pooling_params" else None
     return EngineCoreRequest(
         request_id=msg.request_id,
         prompt_token_ids=list(msg.prompt_token_ids),
-        sampling_params=sampling_params_from_proto(msg.sampling_params),
+        sampling_params=(
+            SamplingParams(max_tokens=1) if pooling is not None else sampling_params_from_proto(msg.sampling_params)
+        ),
+        pooling_params=pooling,
         eos_token_id=msg.eos_token_id if msg.HasField("eos_token_id") else None,
         arrival_time=msg.arrival_time,
         priority=msg.priority,
@@ -451,6 +486,7 @@ def engine_core_output_to_proto(out: EngineCoreOutput) -> engine_pb2.EngineCoreO
         num_cached_tokens=out.num_cached_tokens,
         trace_headers=out.trace_headers,
         error=None if out.error is None else request_error_to_proto(out.error),
+        pooling_output=out.pooling_output,
     )
 
 
@@ -469,6 +505,7 @@ def engine_core_output_from_proto(msg: engine_pb2.EngineCoreOutput) -> EngineCor
         num_cached_tokens=msg.num_cached_tokens,
         trace_headers=dict(msg.trace_headers) or None,
         error=request_error_from_proto(msg.error) if has("error") else None,
+        pooling_output=list(msg.pooling_output) if msg.pooling_output else None,
     )
 
 

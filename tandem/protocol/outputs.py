@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.protocol.pooling_params import PoolingParams
 from tandem.protocol.sampling_params import SamplingParams
 
 
@@ -64,6 +65,8 @@ class EngineCoreRequest:
     # Engine-local, never sent: time.monotonic() when the engine service received it
     # (None: when the core got it). Queue time counts from here.
     received_time: float | None = field(default=None, compare=False)
+    # Set: a pooling request (one vector out, no tokens; sampling_params is unused).
+    pooling_params: PoolingParams | None = None
 
 
 @dataclass
@@ -97,6 +100,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     trace_headers: dict[str, str] | None = None
     error: RequestError | None = None  # set with FinishReason.ERROR: the status to report
+    pooling_output: list[float] | None = None  # a pooling request's vector, in its last output
 
     @property
     def finished(self) -> bool:
