@@ -115,3 +115,25 @@ def response_to_proto(
                 )
             )
     return msg
+
+
+MAX_EMBED_INPUTS = 2048
+
+
+def embed_inputs_from_proto(msg: frontend_pb2.EmbedRequest) -> list[dict[str, Any]]:
+    """Keyword arguments of ``AsyncLLM.encode`` for each input (prompt or token ids)."""
+    if not msg.inputs:
+        raise InvalidRequestError("inputs", [], "give at least one input")
+    if len(msg.inputs) > MAX_EMBED_INPUTS:
+        raise InvalidRequestError("inputs", f"<{len(msg.inputs)} inputs>", f"at most {MAX_EMBED_INPUTS}")
+    add_special = msg.add_special_tokens if msg.HasField("add_special_tokens") else None
+    out = []
+    for i, item in enumerate(msg.inputs):
+        kind = item.WhichOneof("input")
+        if kind == "text":
+            out.append({"prompt": item.text, "add_special_tokens": add_special})
+        elif kind == "token_ids":
+            out.append({"prompt_token_ids": list(item.token_ids.token_ids)})
+        else:
+            raise InvalidRequestError(f"inputs[{i}]", None, "set text or token_ids")
+    return out

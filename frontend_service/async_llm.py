@@ -36,6 +36,7 @@ from frontend_service.input_processor import InputProcessor, ProcessedRequest
 from frontend_service.metrics import FrontendMetrics, SequenceTimes
 from frontend_service.output_processor import OutputProcessor
 from frontend_service.outputs import RequestOutput, merge_request_outputs
+from frontend_service.pooling import Pooling
 from frontend_service.utilities import EngineUtilities
 from tandem import telemetry
 from tandem.protocol.outputs import (
@@ -77,7 +78,7 @@ class _Stream:
     got_output: bool = False  # an engine produced something for it
 
 
-class AsyncLLM(EngineUtilities):
+class AsyncLLM(EngineUtilities, Pooling):
     def __init__(
         self,
         tokenizer: Any,
@@ -110,6 +111,7 @@ class AsyncLLM(EngineUtilities):
         # Engine request ids of streams placed again on another engine: outputs for them
         # from any other engine are stale (aborted there) and dropped.
         self._moved: set[str] = set()
+        self._num_pooling = 0  # pooling requests in flight (frontend_service/pooling.py)
 
     # ---- engine callbacks (run on the event loop) ----------------------------------
 
@@ -121,6 +123,8 @@ class AsyncLLM(EngineUtilities):
             outputs = self._route_failures(engine, outputs)
             if not outputs:
                 return
+        if self._num_pooling:
+            outputs = self.take_pooled(outputs)
         if self._observing:
             now = time.monotonic()
             for out in outputs:

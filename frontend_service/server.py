@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import logging
 import os
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +37,7 @@ from tandem import telemetry
 from tandem.grpc_guard import MalformedRequestGuard
 from tandem.grpc_server import BindError, MessageLimits, ServiceServer, add_health_port_cli
 from tandem.health import ServiceHealth
+from tandem.protocol import convert
 from tandem.protocol.fingerprint import tokenizer_fingerprint
 from tandem.protocol.model_config import ModelConfig
 from tandem.security import (
@@ -136,6 +138,37 @@ class GenerationServicer(frontend_pb2_grpc.GenerationServicer):
             raise
         except Exception as exc:
             await abort_with(context, exc)
+
+    async def Embed(
+        self, request: frontend_pb2.EmbedRequest, context: grpc.aio.ServicerContext
+    ) -> frontend_pb2.EmbedResponse:
+        await self._require_ready(context)
+        await self._refuse_while_draining(context)
+        try:
+            inputs = api.embed_inputs_from_proto(request)
+            params = convert.pooling_params_from_proto(request.pooling_params)
+            params.validate()
+            request_id = request.request_id if request.HasField("request_id") else uuid.uuid4().hex
+            timeout = context.time_remaining()
+
+            async def one(index: int, kwargs: dict) -> frontend_pb2.Embedding:
+                async for out in self.llm.encode(
+                    params, request_id=f"{request_id}-{index}", priority=request.priority,
+                    timeout_s=timeout, **kwargs,
+                ):
+                    return frontend_pb2.Embedding(
+                        index=index, embedding=out.outputs.data, num_prompt_tokens=len(out.prompt_token_ids)
+                    )
+                raise RuntimeError("the pooling request ended without an output")
+
+            data = await asyncio.gather(*(one(i, kw) for i, kw in enumerate(inputs)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            await abort_with(context, exc)
+        return frontend_pb2.EmbedResponse(
+            request_id=request_id, data=data, num_prompt_tokens=sum(d.num_prompt_tokens for d in data)
+        )
 
     async def Abort(
         self, request: frontend_pb2.AbortRequest, context: grpc.aio.ServicerContext

@@ -15,6 +15,7 @@ from frontend_service import LLM, PoolingParams
 from tandem.protocol.outputs import EngineCoreRequest, FinishReason
 from tandem.protocol.sampling_params import InvalidRequestError, SamplingParams
 
+pytest_plugins = ["tests.e2e_helpers"]
 ARCHS = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"]
 
 
@@ -103,3 +104,35 @@ def test_bad_pooling_params(tiny_llama_dir: str) -> None:
             core.add_request(EngineCoreRequest("bad", [5, 6], SamplingParams(), pooling_params=params))
         assert err.value.field == field
     assert not core.has_unfinished_requests()
+
+
+# ---- over gRPC ------------------------------------------------------------------------
+
+
+def test_embed_rpc_matches_in_process(e2e_stack, tiny_llama_dir: str) -> None:  # type: ignore[no-untyped-def]
+    import grpc
+
+    from tandem.v1 import common_pb2, frontend_pb2
+
+    stub = e2e_stack.generation_stub()
+    texts = ["the quick brown fox", "jumps over the lazy dog, twice"]
+    reply = stub.Embed(frontend_pb2.EmbedRequest(
+        inputs=[frontend_pb2.EmbedInput(text=t) for t in texts]
+        + [frontend_pb2.EmbedInput(token_ids=frontend_pb2.TokenIds(token_ids=[5, 6, 7]))],
+        pooling_params=common_pb2.PoolingParams(pooling_type=common_pb2.POOLING_TYPE_MEAN, dimensions=32),
+    ), timeout=60)
+    assert [d.index for d in reply.data] == [0, 1, 2]
+    llm = LLM(tiny_llama_dir, max_model_len=256, num_gpu_blocks_override=64)
+    local = llm.embed([*texts, {"prompt_token_ids": [5, 6, 7]}], PoolingParams(pooling_type="MEAN", dimensions=32))
+    for got, want in zip(reply.data, local):
+        assert len(got.embedding) == 32 and got.num_prompt_tokens == len(want.prompt_token_ids)
+        assert torch.allclose(torch.tensor(list(got.embedding)), torch.tensor(want.outputs.embedding), atol=1e-5)
+    assert reply.num_prompt_tokens == sum(len(w.prompt_token_ids) for w in local)
+    for bad, field in [
+        (frontend_pb2.EmbedRequest(), "inputs"),
+        (frontend_pb2.EmbedRequest(inputs=[frontend_pb2.EmbedInput(text="x")],
+                                   pooling_params=common_pb2.PoolingParams(dimensions=1000)), "pooling_params.dimensions"),
+    ]:
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Embed(bad, timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()

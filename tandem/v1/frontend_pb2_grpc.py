@@ -41,6 +41,11 @@ class GenerationStub:
                 request_serializer=tandem_dot_v1_dot_frontend__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_frontend__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/tandem.v1.Generation/Embed',
+                request_serializer=tandem_dot_v1_dot_frontend__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_frontend__pb2.EmbedResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/tandem.v1.Generation/Abort',
                 request_serializer=tandem_dot_v1_dot_frontend__pb2.AbortRequest.SerializeToString,
@@ -88,6 +93,17 @@ class GenerationServicer:
         produced (see OutputKind for what each carries). The last response has
         finished = true; the stream then ends with status OK. Cancelling the call
         aborts the request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Embed(self, request, context):
+        """Embeds one or more inputs (pooling over the model's final hidden states: the
+        last token's state by default, see PoolingParams); one vector per input, in
+        input order. The inputs run as one pooling request each, batched with
+        whatever else the engines run. INVALID_ARGUMENT: no input, an empty or too
+        long input, bad pooling_params (the message names the field).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -156,6 +172,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     request_deserializer=tandem_dot_v1_dot_frontend__pb2.GenerateRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_frontend__pb2.GenerateResponse.SerializeToString,
             ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=tandem_dot_v1_dot_frontend__pb2.EmbedRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_frontend__pb2.EmbedResponse.SerializeToString,
+            ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
                     request_deserializer=tandem_dot_v1_dot_frontend__pb2.AbortRequest.FromString,
@@ -221,6 +242,33 @@ class Generation:
             '/tandem.v1.Generation/Generate',
             tandem_dot_v1_dot_frontend__pb2.GenerateRequest.SerializeToString,
             tandem_dot_v1_dot_frontend__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.Generation/Embed',
+            tandem_dot_v1_dot_frontend__pb2.EmbedRequest.SerializeToString,
+            tandem_dot_v1_dot_frontend__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,
