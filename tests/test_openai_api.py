@@ -409,3 +409,28 @@ def test_admission_refusal_is_429(server: Server, tmp_path: Path) -> None:
     finally:
         frontend.stop()
     wait_idle(server)
+
+
+def test_embeddings(client: openai.OpenAI, model: str) -> None:
+    import math
+
+    reply = client.embeddings.create(model=model, input=["the quick brown fox", "a lazy dog"])
+    assert [d.index for d in reply.data] == [0, 1]
+    for d in reply.data:
+        assert len(d.embedding) == 64 and abs(math.sqrt(sum(v * v for v in d.embedding)) - 1) < 1e-4
+    assert reply.usage.prompt_tokens == reply.usage.total_tokens > 0
+    # float and base64 (little-endian float32) carry the same vector.
+    import base64
+    import struct
+
+    ids = client.embeddings.create(model=model, input=[5, 6, 7, 8], dimensions=16, encoding_format="float")
+    b64 = client.embeddings.create(model=model, input=[5, 6, 7, 8], dimensions=16, encoding_format="base64")
+    assert len(ids.data[0].embedding) == 16
+    decoded = struct.unpack("<16f", base64.b64decode(b64.data[0].embedding))  # type: ignore[arg-type]
+    assert ids.data[0].embedding == pytest.approx(list(decoded), abs=1e-6)
+    mean = client.embeddings.create(model=model, input="x y z", extra_body={"pooling_type": "MEAN", "normalize": False})
+    assert abs(math.sqrt(sum(v * v for v in mean.data[0].embedding)) - 1) > 1e-3
+    with pytest.raises(openai.BadRequestError, match="dimensions"):
+        client.embeddings.create(model=model, input="x", dimensions=1000)
+    with pytest.raises(openai.NotFoundError):
+        client.embeddings.create(model="no-such-model", input="x")

@@ -31,11 +31,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from frontend_service.errors import retry_after_ms_for, status_for
-from frontend_service.openai import serving, shapes
+from frontend_service.openai import embeddings, serving, shapes
 from frontend_service.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     TokenizeRequest,
     warn_unknown,
 )
@@ -258,6 +259,19 @@ def build_app(view: FrontendView) -> FastAPI:
     @guarded
     async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
         return await generate(request, body, serving.chat)
+
+    @app.post("/v1/embeddings")
+    @guarded
+    async def create_embedding(body: EmbeddingRequest, request: Request) -> Response:
+        warn_unknown(body, request.url.path)
+        llm = llm_for(body.model, generating=True)
+        try:
+            result = await until_disconnect(
+                request.receive, embeddings.create(llm, view.servicer.model_name, body)
+            )
+        except ClientGoneError:
+            return Response(status_code=499)
+        return JSONResponse(result)
 
     @app.get("/v1/models")
     @guarded

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
+from tandem.protocol.pooling_params import PoolingParams
 from tandem.protocol.sampling_params import InvalidRequestError, RequestOutputKind, SamplingParams
 from tandem.protocol.structured_output import StructuredOutputsParams
 
@@ -291,6 +292,36 @@ class DetokenizeRequest(_Body):
     model: StrictStr | None = None
     tokens: list[StrictInt]
     skip_special_tokens: StrictBool = True
+
+
+class EmbeddingRequest(_Body):
+    """``POST /v1/embeddings``: OpenAI's fields, plus vLLM's ``normalize`` and Tandem's
+    ``pooling_type`` (LAST by default)."""
+
+    model: StrictStr | None = None
+    input: Prompt
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: StrictInt | None = None
+    user: StrictStr | None = None
+    normalize: StrictBool = True
+    pooling_type: Literal["LAST", "MEAN", "CLS"] = "LAST"
+    priority: StrictInt = 0
+
+    def inputs(self) -> list[dict[str, Any]]:
+        """``AsyncLLM.encode`` keyword arguments of each input."""
+        value = self.input
+        if isinstance(value, str):
+            return [{"prompt": value}]
+        if not value:
+            raise InvalidRequestError("input", value, "give at least one input")
+        if all(isinstance(v, int) for v in value):
+            return [{"prompt_token_ids": value}]
+        return [{"prompt": v} if isinstance(v, str) else {"prompt_token_ids": v} for v in value]
+
+    def pooling_params(self) -> PoolingParams:
+        return PoolingParams(
+            pooling_type=self.pooling_type, normalize=self.normalize, dimensions=self.dimensions
+        )
 
 
 def warn_unknown(body: _Body, endpoint: str) -> None:
