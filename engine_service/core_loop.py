@@ -73,6 +73,11 @@ UTILITY_METHODS: dict[str, Callable[..., Any]] = {
     "reset_prefix_cache": lambda core: core.reset_prefix_cache(),
     "num_unfinished_requests": lambda core: core.scheduler.num_unfinished,
     "is_idle": lambda core: not core.has_unfinished_requests(),
+    # LoRA adapters, as vLLM names them (InvalidRequestError -> a failure message).
+    "add_lora": lambda core, lora_request: core.add_lora(lora_request),
+    "remove_lora": lambda core, lora_id: core.remove_lora(int(lora_id)),
+    "list_loras": lambda core: core.list_loras(),
+    "pin_lora": lambda core, lora_id: core.pin_lora(int(lora_id)),
 }
 
 

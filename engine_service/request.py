@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from tandem.protocol.lora import LoRARequest
 from tandem.protocol.outputs import EngineCoreRequest, FinishReason, RequestError
 from tandem.protocol.sampling_params import SamplingParams
 
@@ -116,6 +117,7 @@ class Request:
         trace_headers: dict[str, str] | None = None,
         received_time: float | None = None,
         timeout_s: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -126,6 +128,14 @@ class Request:
         self.cache_salt = cache_salt
         self.client_index = client_index
         self.trace_headers = trace_headers
+        self.lora_request = lora_request
+        # 0: the base model; else the adapter's id (its device slot is the LoRA manager's).
+        self.lora_int_id = lora_request.lora_int_id if lora_request is not None else 0
+        # Mixed into the first block's prefix-cache hash: the salt, and the adapter, so
+        # requests of different adapters (or salts) never share KV blocks.
+        self.cache_extra = cache_salt
+        if lora_request is not None:
+            self.cache_extra = f"{cache_salt or ''}\x00lora\x00{lora_request.cache_key}"
         # Engine-side timestamps; arrival is when the engine service received it.
         self.times = RequestTimes(received_time)
         # time.monotonic() after which the client no longer waits (arrival + timeout_s).
@@ -169,6 +179,7 @@ class Request:
             trace_headers=req.trace_headers,
             received_time=req.received_time,
             timeout_s=req.timeout_s,
+            lora_request=req.lora_request,
         )
 
     @property
