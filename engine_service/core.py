@@ -298,6 +298,11 @@ class EngineCore:
     def list_loras(self) -> list[int]:
         return self._require_lora("lora_id").list_loras()
 
+    def lora_requests(self) -> list[LoRARequest]:
+        """Every registered adapter, by id (what frontends learn names from)."""
+        lora = self._require_lora("lora_id")
+        return [lora.known[i] for i in lora.list_loras()]
+
     def pin_lora(self, lora_id: int) -> bool:
         """Keep the adapter in a device slot (never evicted)."""
         running = {r.lora_int_id for r in self.scheduler.running}

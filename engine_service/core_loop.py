@@ -77,6 +77,7 @@ UTILITY_METHODS: dict[str, Callable[..., Any]] = {
     "add_lora": lambda core, lora_request: core.add_lora(lora_request),
     "remove_lora": lambda core, lora_id: core.remove_lora(int(lora_id)),
     "list_loras": lambda core: core.list_loras(),
+    "lora_requests": lambda core: core.lora_requests(),  # Tandem's: the full LoRARequests
     "pin_lora": lambda core, lora_id: core.pin_lora(int(lora_id)),
 }
 

@@ -11,14 +11,16 @@ producing anything (RESOURCE_EXHAUSTED, or UNAVAILABLE while it drains) to anoth
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
 from tandem.protocol import convert
-from tandem.protocol.outputs import EngineCoreOutputs, EngineCoreRequest
+from tandem.protocol.outputs import EngineCoreOutputs, EngineCoreRequest, UtilityOutput
 from tandem.security import EngineChannelSecurity
 from tandem.v1 import engine_pb2, engine_pb2_grpc
 
@@ -40,6 +42,16 @@ class EngineUnavailableError(RuntimeError):
 
 class TokenizerMismatchError(RuntimeError):
     """The engine serves a model whose tokenizer differs from the frontend's."""
+
+
+class UtilityCallError(RuntimeError):
+    """An engine's utility method failed. ``invalid``: it refused its arguments
+    (InvalidRequestError in the engine): INVALID_ARGUMENT rather than INTERNAL."""
+
+    def __init__(self, message: str) -> None:
+        kind, _, detail = message.partition(": ")
+        self.invalid = kind == "InvalidRequestError"
+        super().__init__(detail if self.invalid else message)
 
 
 @dataclass
@@ -91,6 +103,9 @@ class EngineConnection:
         self._reconnector: asyncio.Task[None] | None = None
         self._fingerprint = ""
         self._closing = False
+        # Utility calls on the stream waiting for their answer: call id -> future.
+        self._utility_calls: dict[int, asyncio.Future[UtilityOutput]] = {}
+        self._call_ids = itertools.count(1)
 
     async def fetch_info(self, timeout: float) -> engine_pb2.GetEngineInfoResponse:
         """Wait (up to ``timeout``) for the engine to answer and return its info.
@@ -148,6 +163,10 @@ class EngineConnection:
                 for out in outs.outputs:
                     if out.finished:
                         self.in_flight.discard(out.request_id)
+                if outs.utility_output is not None:
+                    waiter = self._utility_calls.pop(outs.utility_output.call_id, None)
+                    if waiter is not None and not waiter.done():
+                        waiter.set_result(outs.utility_output)
                 self.on_outputs(self, outs)
         except grpc.aio.AioRpcError as exc:
             reason = f"{exc.code().name}: {exc.details()}"
@@ -165,6 +184,10 @@ class EngineConnection:
         # Our own shutdown and a drained engine leaving are not errors; anything else is.
         logger.log(logging.INFO if self._closing or self.draining else logging.ERROR, self.dead_reason)
         self._send.put_nowait(None)  # ends the old stream's request iterator
+        for waiter in self._utility_calls.values():
+            if not waiter.done():
+                waiter.set_exception(EngineUnavailableError(self.dead_reason))
+        self._utility_calls.clear()
         self.on_dead(self, self.dead_reason)
         if not self._closing:
             self._reconnector = asyncio.ensure_future(self._reconnect())
@@ -203,6 +226,23 @@ class EngineConnection:
         self.load.in_flight_adds += 1
         self.in_flight.add(request.request_id)
         self._send.put_nowait(convert.add_input(request))
+
+    async def call_utility(self, method: str, *args: Any, timeout: float = 60.0) -> Any:
+        """Call one of the engine's UTILITY_METHODS over the stream; its result, or
+        UtilityCallError with the engine's failure message."""
+        if not self.alive:
+            raise EngineUnavailableError(self.dead_reason or f"engine at {self.address} is not connected")
+        call_id = next(self._call_ids)
+        waiter: asyncio.Future[UtilityOutput] = asyncio.get_running_loop().create_future()
+        self._utility_calls[call_id] = waiter
+        self._send.put_nowait(convert.utility_input(call_id, method, args))
+        try:
+            out = await asyncio.wait_for(waiter, timeout)
+        finally:
+            self._utility_calls.pop(call_id, None)
+        if out.failure_message is not None:
+            raise UtilityCallError(out.failure_message)
+        return out.result
 
     def abort(self, request_ids: list[str]) -> None:
         self.in_flight.difference_update(request_ids)

@@ -19,7 +19,11 @@ from grpc_status import rpc_status
 
 from frontend_service.admission import RequestFailedError
 from frontend_service.discovery import InvalidTargetError
-from frontend_service.engine_client import EngineUnavailableError, TokenizerMismatchError
+from frontend_service.engine_client import (
+    EngineUnavailableError,
+    TokenizerMismatchError,
+    UtilityCallError,
+)
 from frontend_service.engine_group import EngineExistsError, EngineNotFoundError
 from tandem.protocol.convert import ConversionError, EngineDeadError
 from tandem.protocol.sampling_params import InvalidRequestError
@@ -40,6 +44,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, MemoryError):  # a size no validation foresaw: too big, not a bug
         return grpc.StatusCode.RESOURCE_EXHAUSTED, "the request needs more memory than the server has"
+    if isinstance(exc, UtilityCallError):
+        return (grpc.StatusCode.INVALID_ARGUMENT if exc.invalid else grpc.StatusCode.INTERNAL), str(exc)
     if isinstance(exc, EngineExistsError):
         return grpc.StatusCode.ALREADY_EXISTS, str(exc)
     if isinstance(exc, EngineNotFoundError):

@@ -309,7 +309,8 @@ async def _serve_frontend(
         discovery_interval=config.discovery_interval, placement=config.placement,
         on_join=on_join, on_leave=on_leave, on_change=on_change, channel=config.engine_channel,
     )
-    frontend_pb2_grpc.add_FrontendAdminServicer_to_server(admin.FrontendAdminServicer(group), server)
+    admin_servicer = admin.FrontendAdminServicer(group)
+    frontend_pb2_grpc.add_FrontendAdminServicer_to_server(admin_servicer, server)
     http = None
     if config.http_port:
         from frontend_service.openai.app import FrontendView
@@ -348,7 +349,9 @@ async def _serve_frontend(
         model_name=model_name, metrics=metrics, tracing=tracing,
         admission=PendingLimit(config.max_pending_requests),
     )
+    await llm.loras.refresh()  # the engines' --lora-modules, selectable by name
     holder["llm"] = llm
+    admin_servicer.llm = llm
     servicer.attach(llm, model_name, info)
     signals = StopSignals().install()
     await service_health.ready()
