@@ -349,8 +349,8 @@ async def _serve_frontend(
         model_name=model_name, metrics=metrics, tracing=tracing,
         admission=PendingLimit(config.max_pending_requests),
     )
-    await llm.loras.refresh()  # the engines' --lora-modules, selectable by name
     holder["llm"] = llm
+    await llm.loras.refresh()  # the engines' --lora-modules, selectable by name
     admin_servicer.llm = llm
     servicer.attach(llm, model_name, info)
     signals = StopSignals().install()
