@@ -251,26 +251,36 @@ def test_grpc_end_to_end(
             tokens.extend(resp.outputs[0].token_ids)
         return tokens
 
-    with start_stack(tiny_llama_dir, 1, tmp_path / "logs", args) as stack:
-        with grpc.insecure_channel(stack.frontend.address) as channel:
-            stub = frontend_pb2_grpc.GenerationStub(channel)
-            admin = frontend_pb2_grpc.FrontendAdminStub(channel)
-            assert generate(stub, common_pb2.LoRARequest(lora_name="a1")) == alone[(0, 1)]
-            assert generate(stub, None) == alone[(0, 0)]
-            with pytest.raises(grpc.RpcError) as info:
-                generate(stub, common_pb2.LoRARequest(lora_name="a2"))  # not added yet
-            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "lora_request.lora_name" in info.value.details()
-            proto = common_pb2.LoRARequest(lora_name="a2", lora_int_id=2, lora_path=a2.lora_path)
-            assert admin.AddLora(frontend_pb2.AddLoraRequest(lora_request=proto), metadata=ADMIN_METADATA).added
-            assert generate(stub, common_pb2.LoRARequest(lora_name="a2")) == alone[(0, 2)]
-            listed = admin.ListLoras(frontend_pb2.ListLorasRequest(), metadata=ADMIN_METADATA)
-            assert list(listed.engine_lora_ids) == [1, 2]
-            assert {r.lora_name for r in listed.loras} == {"a1", "a2"}
-            assert admin.PinLora(frontend_pb2.PinLoraRequest(lora_id=2), metadata=ADMIN_METADATA).pinned
-            bad = common_pb2.LoRARequest(lora_name="z", lora_int_id=9, lora_path=str(tmp_path / "nope"))
-            with pytest.raises(grpc.RpcError) as info:
-                admin.AddLora(frontend_pb2.AddLoraRequest(lora_request=bad), metadata=ADMIN_METADATA)
-            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "lora_request.lora_path" in info.value.details()
-            assert admin.RemoveLora(frontend_pb2.RemoveLoraRequest(lora_id=2), metadata=ADMIN_METADATA).removed
+    with (
+        start_stack(tiny_llama_dir, 1, tmp_path / "logs", args) as stack,
+        grpc.insecure_channel(stack.frontend.address) as channel,
+    ):
+        stub = frontend_pb2_grpc.GenerationStub(channel)
+        admin = frontend_pb2_grpc.FrontendAdminStub(channel)
+        assert generate(stub, common_pb2.LoRARequest(lora_name="a1")) == alone[(0, 1)]
+        assert generate(stub, None) == alone[(0, 0)]
+        with pytest.raises(grpc.RpcError) as info:
+            generate(stub, common_pb2.LoRARequest(lora_name="a2"))  # not added yet
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "lora_request.lora_name" in info.value.details()
+        proto = common_pb2.LoRARequest(lora_name="a2", lora_int_id=2, lora_path=a2.lora_path)
+        assert admin.AddLora(frontend_pb2.AddLoraRequest(lora_request=proto), metadata=ADMIN_METADATA).added
+        assert generate(stub, common_pb2.LoRARequest(lora_name="a2")) == alone[(0, 2)]
+        listed = admin.ListLoras(frontend_pb2.ListLorasRequest(), metadata=ADMIN_METADATA)
+        assert list(listed.engine_lora_ids) == [1, 2]
+        assert {r.lora_name for r in listed.loras} == {"a1", "a2"}
+        assert admin.PinLora(frontend_pb2.PinLoraRequest(lora_id=2), metadata=ADMIN_METADATA).pinned
+        bad = common_pb2.LoRARequest(lora_name="z", lora_int_id=9, lora_path=str(tmp_path / "nope"))
+        with pytest.raises(grpc.RpcError) as info:
+            admin.AddLora(frontend_pb2.AddLoraRequest(lora_request=bad), metadata=ADMIN_METADATA)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "lora_request.lora_path" in info.value.details()
+        assert admin.RemoveLora(frontend_pb2.RemoveLoraRequest(lora_id=2), metadata=ADMIN_METADATA).removed
+
+
+def test_benchmark_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import lora as bench
+
+    assert bench.main(["--steps", "2", "--repeats", "1", "--batch", "4", "--prompt-len", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "4 mixed adapters" in out and "ratio" in out

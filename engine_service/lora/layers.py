@@ -1,4 +1,4 @@
-"""LoRA on the fused projections: every adapter of a step in one shrink and one expand.
+"""LoRA on the fused projections: every adapter of a step in one shrink and S expands.
 
 Each wrapped ``FusedLinear`` keeps its base weight and, for ``max_loras`` device slots,
 the adapters' low-rank factors stacked slot-major and zero-padded to ``max_lora_rank``
@@ -6,16 +6,18 @@ the adapters' low-rank factors stacked slot-major and zero-padded to ``max_lora_
 
 - ``lora_a``  ``[max_loras * S * R, in_features]``: rows ``[(slot*S + s)*R, +r)`` are
   slice s's A (``[r, in]``) of the adapter in ``slot``; the rest is zero;
-- ``lora_bt`` ``[max_loras * S * R, out_features]``: the same rows hold ``(scale * B)^T``
-  of slice s in slice s's output columns only (a block-diagonal expand); the rest is zero.
+- ``lora_bt[s]`` ``[max_loras * R, out_s]`` per slice: rows ``[slot*R, +r)`` hold slice
+  s's ``(scale * B)^T`` (``[r, out_s]``) of the adapter in ``slot``; the rest is zero.
 
 For a step whose highest used slot is k - 1 and whose token t runs the adapter in slot
 ``slot[t]`` (or none), ``LoRABatch.mask`` is the ``[T, k]`` one-hot of ``slot[t]`` and
 
-    y = base(x) + ((x @ A[:k]^T) * mask) @ Bt[:k]         (mask broadcast over S*R)
+    u = (x @ A[:k*S*R]^T) * mask                           # [T, k, S, R], mask over S*R
+    y[:, slice s] += u[:, :, s, :].reshape(T, k*R) @ Bt[s][:k*R]    for each slice s
 
 which is ``base(x) + scale_a * B_a (A_a x)`` for each token's adapter a, and ``base(x)``
-for tokens without one: three torch ops per projection, whatever the number of adapters.
+for tokens without one: one shrink, one mask and S expands per projection, whatever the
+number of adapters in the step (each expand only over its own output columns).
 A step without LoRA requests sets no batch, and the projections run ``base`` alone.
 """
 
@@ -65,10 +67,11 @@ class LoRALinear(nn.Module):
         self.slices = slices
         self.rank = max_rank
         self.state = state
-        out_features = sum(n for _, n in slices)
         rows = max_loras * len(slices) * max_rank
         self.lora_a = torch.zeros(rows, in_features, dtype=dtype, device=device)
-        self.lora_bt = torch.zeros(rows, out_features, dtype=dtype, device=device)
+        self.lora_bt = [
+            torch.zeros(max_loras * max_rank, n, dtype=dtype, device=device) for _, n in slices
+        ]
         self.loaded: list[bool] = [False] * max_loras  # slot -> holds weights for this module
 
     def _rows(self, slot: int, index: int) -> slice:
@@ -82,15 +85,15 @@ class LoRALinear(nn.Module):
         for index, (a, b) in factors.items():
             rows = self._rows(slot, index)
             r = a.shape[0]
-            start, size = self.slices[index]
             self.lora_a[rows.start : rows.start + r].copy_(a)
-            self.lora_bt[rows.start : rows.start + r, start : start + size].copy_(b.t())
+            self.lora_bt[index][slot * self.rank : slot * self.rank + r].copy_(b.t())
         self.loaded[slot] = bool(factors)
 
     def clear_slot(self, slot: int) -> None:
         n = len(self.slices) * self.rank
         self.lora_a[slot * n : (slot + 1) * n].zero_()
-        self.lora_bt[slot * n : (slot + 1) * n].zero_()
+        for bt in self.lora_bt:
+            bt[slot * self.rank : (slot + 1) * self.rank].zero_()
         self.loaded[slot] = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
@@ -98,11 +101,16 @@ class LoRALinear(nn.Module):
         batch = self.state.batch
         if batch is None or not any(self.loaded[s] for s in batch.slots):
             return y
-        k = batch.num_slots
-        n = k * len(self.slices) * self.rank
-        shrunk = F.linear(x, self.lora_a[:n])  # [T, k * S * R]
-        shrunk.view(x.shape[0], k, -1).mul_(batch.mask[:, :, None])  # keep each token's own slot
-        return y.addmm_(shrunk, self.lora_bt[:n])  # + [T, k*S*R] @ [k*S*R, out]
+        k, r, num_tokens = batch.num_slots, self.rank, x.shape[0]
+        num_slices = len(self.slices)
+        shrunk = F.linear(x, self.lora_a[: k * num_slices * r])  # [T, k * S * R]
+        shrunk = shrunk.view(num_tokens, k, num_slices, r).mul_(batch.mask[:, :, None, None])
+        if num_slices == 1:
+            return y.addmm_(shrunk.view(num_tokens, k * r), self.lora_bt[0][: k * r])
+        for index, (start, size) in enumerate(self.slices):
+            part = shrunk[:, :, index].reshape(num_tokens, k * r)  # [T, k*R], a small copy
+            y[:, start : start + size].addmm_(part, self.lora_bt[index][: k * r])
+        return y
 
 
 # Our fused module under a layer -> (in_features, output slices) for ``config``.
