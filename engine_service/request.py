@@ -131,11 +131,6 @@ class Request:
         self.lora_request = lora_request
         # 0: the base model; else the adapter's id (its device slot is the LoRA manager's).
         self.lora_int_id = lora_request.lora_int_id if lora_request is not None else 0
-        # Mixed into the first block's prefix-cache hash: the salt, and the adapter, so
-        # requests of different adapters (or salts) never share KV blocks.
-        self.cache_extra = cache_salt
-        if lora_request is not None:
-            self.cache_extra = f"{cache_salt or ''}\x00lora\x00{lora_request.cache_key}"
         # Engine-side timestamps; arrival is when the engine service received it.
         self.times = RequestTimes(received_time)
         # time.monotonic() after which the client no longer waits (arrival + timeout_s).
@@ -181,6 +176,14 @@ class Request:
             timeout_s=req.timeout_s,
             lora_request=req.lora_request,
         )
+
+    @property
+    def cache_extra(self) -> str | None:
+        """Mixed into the first block's prefix-cache hash: the salt, and the adapter, so
+        requests of different adapters (or salts) never share KV blocks."""
+        if self.lora_request is None:
+            return self.cache_salt
+        return f"{self.cache_salt or ''}\x00lora\x00{self.lora_request.cache_key}"
 
     @property
     def num_tokens(self) -> int:
