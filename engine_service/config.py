@@ -130,12 +130,55 @@ class EngineConfig:
         },
     )
 
+    enable_lora: bool = field(
+        default=False,
+        metadata={"help": "Serve LoRA adapters (PEFT format) per request; off: no LoRA code runs."},
+    )
+    max_loras: int = field(
+        default=1,
+        metadata={
+            "help": "With enable_lora: adapters held in device slots at once, so the most "
+            "distinct adapters in one running batch."
+        },
+    )
+    max_lora_rank: int = field(
+        default=16, metadata={"help": "With enable_lora: the highest adapter rank r accepted."}
+    )
+    max_cpu_loras: int | None = field(
+        default=None,
+        metadata={
+            "help": "With enable_lora: adapters kept loaded in host memory (least recently "
+            "used dropped first); default: max_loras."
+        },
+    )
+    lora_modules: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": "With enable_lora: adapters to load at start-up, as NAME=PATH ... "
+            "(ids 1, 2, ... in order); requests name them by NAME."
+        },
+    )
+
     def __post_init__(self) -> None:
         self._check_positive("max_num_seqs")
         self._check_positive("max_num_batched_tokens")
         self._check_positive("block_size")
         self._check_positive("max_logprobs", allow_zero=True)
         self._check_positive("structured_output_cache_size", allow_zero=True)
+        self._check_positive("max_loras")
+        self._check_positive("max_lora_rank")
+        if self.max_cpu_loras is not None:
+            self._check_positive("max_cpu_loras")
+            if self.max_cpu_loras < self.max_loras:
+                raise ConfigError(
+                    f"max_cpu_loras={self.max_cpu_loras} must be >= max_loras={self.max_loras}"
+                )
+        for item in self.lora_modules:
+            name, sep, path = item.partition("=")
+            if not sep or not name or not path:
+                raise ConfigError(f"lora_modules entries are NAME=PATH, got {item!r}")
+        if self.lora_modules and not self.enable_lora:
+            raise ConfigError("lora_modules needs enable_lora")
         if self.max_model_len is not None:
             self._check_positive("max_model_len")
         if self.kv_cache_memory_bytes is not None:
@@ -186,6 +229,10 @@ class EngineConfig:
         if self.max_pending_requests is None:
             return 4 * self.max_num_seqs
         return self.max_pending_requests
+
+    @property
+    def resolved_max_cpu_loras(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -246,6 +293,10 @@ class EngineConfig:
                     default=_parse_bool(env_default) if env_default is not None else default,
                     help=help_text,
                 )
+                continue
+            if str(f.type).startswith("list"):
+                default = env_default.split() if env_default is not None else []
+                parser.add_argument(flag, nargs="*", default=default, help=help_text)
                 continue
             conv = _field_converter(f)
             if env_default is not None:

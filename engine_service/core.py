@@ -20,6 +20,7 @@ from engine_service.attention import AttentionMetadata
 from engine_service.config import ConfigError, EngineConfig
 from engine_service.cpu import keep_freed_memory_mapped, release_free_memory
 from engine_service.kv_cache.manager import KVCacheManager
+from engine_service.lora import LoRAManager
 from engine_service.model_runner import (
     ModelRunner,
     RunnerOutput,
@@ -33,6 +34,7 @@ from engine_service.request import Request
 from engine_service.scheduler import Scheduler, SchedulerOutput
 from engine_service.structured_output import StructuredOutputManager
 from kernels.dispatch import get_ops
+from tandem.protocol.lora import LoRARequest
 from tandem.protocol.model_config import ModelConfig
 from tandem.protocol.outputs import (
     EngineCoreOutput,
@@ -88,6 +90,13 @@ class EngineCore:
                     "tandem.dtype": str(config.torch_dtype).removeprefix("torch."),
                     "tandem.device": str(config.torch_device),
                 })
+        self.lora: LoRAManager | None = None
+        if config.enable_lora:
+            self.lora = LoRAManager(
+                self.model, self.model_config, config.max_loras, config.max_lora_rank,
+                config.resolved_max_cpu_loras, config.torch_dtype, config.torch_device,
+            )
+            self._preload_loras(config.lora_modules)
         self.max_model_len = self._resolve_max_model_len(self.model_config)
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             raise ConfigError(
@@ -113,6 +122,7 @@ class EngineCore:
             max_model_len=self.max_model_len,
             policy=config.scheduling_policy,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            lora=self.lora,
         )
         self.structured = StructuredOutputManager(
             config.model,
@@ -121,7 +131,7 @@ class EngineCore:
             cache_size=config.structured_output_cache_size,
         )
         self.runner = ModelRunner(
-            config, self.model, self.model_config, kv_caches, self.kv_manager, self.structured
+            config, self.model, self.model_config, kv_caches, self.kv_manager, self.structured, self.lora
         )
         # Requests ended outside a step's forward pass (aborts, expired deadlines): the
         # next outputs report them.
@@ -153,6 +163,15 @@ class EngineCore:
         return allocate_kv_caches(
             self.model_config, self.num_blocks, cfg.block_size, cfg.torch_dtype, cfg.torch_device
         )
+
+    def _preload_loras(self, modules: list[str]) -> None:
+        """``--lora-modules NAME=PATH ...``: registered with ids 1, 2, ... in order."""
+        for adapter_id, item in enumerate(modules, start=1):
+            name, _, path = item.partition("=")
+            try:
+                self.add_lora(LoRARequest(name, adapter_id, path))
+            except InvalidRequestError as exc:
+                raise ConfigError(f"lora_modules {item!r}: {exc}") from exc
 
     def _resolve_max_model_len(self, mc: ModelConfig) -> int:
         limit = mc.max_position_embeddings
@@ -247,6 +266,13 @@ class EngineCore:
             req.pooling_params.validate(self.model_config.hidden_size)
         else:
             req.sampling_params.validate(vocab, self.config.max_logprobs)
+        if req.lora_request is not None:
+            if self.lora is None:
+                raise InvalidRequestError(
+                    "lora_request", req.lora_request.lora_name,
+                    "LoRA is not enabled on this engine (start it with --enable-lora)",
+                )
+            req.lora_request.validate()
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a request, however long the queue (the in-process LLM, benchmarks).
@@ -268,6 +294,8 @@ class EngineCore:
         self.validate_request(req)
         if req.request_id in self.scheduler.requests:
             raise InvalidRequestError("request_id", req.request_id, "a request with this id is running")
+        if req.lora_request is not None:
+            req.lora_request = self._lora_for_request(req.lora_request)
         request = Request.from_engine_core_request(req)
         if request.deadline is not None and request.deadline <= time.monotonic():
             raise RequestRejected(deadline_exceeded("the request's deadline passed before it was queued"))
@@ -276,6 +304,41 @@ class EngineCore:
             self.admission.check(len(waiting), waiting.num_tokens, request.num_tokens)
         self.structured.submit(request)  # a constraint starts compiling now
         self.scheduler.add_request(request)
+
+    def _lora_for_request(self, lora: LoRARequest) -> LoRARequest:
+        """Resolve a by-name request, register a new adapter, and check it loads (on the
+        engine thread: reading an adapter touches the manager's caches)."""
+        assert self.lora is not None
+        lora = self.lora.resolve(lora)
+        self.lora.add_lora(lora)
+        return lora
+
+    # ---- LoRA adapters (vLLM's utility calls) ------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load and register an adapter for later requests; True if it was new."""
+        return self._require_lora("lora_request").add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self._require_lora("lora_id").remove_lora(lora_id)
+
+    def list_loras(self) -> list[int]:
+        return self._require_lora("lora_id").list_loras()
+
+    def lora_requests(self) -> list[LoRARequest]:
+        """Every registered adapter, by id (what frontends learn names from)."""
+        lora = self._require_lora("lora_id")
+        return [lora.known[i] for i in lora.list_loras()]
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """Keep the adapter in a device slot (never evicted)."""
+        running = {r.lora_int_id for r in self.scheduler.running}
+        return self._require_lora("lora_id").pin_lora(lora_id, running)
+
+    def _require_lora(self, field: str) -> LoRAManager:
+        if self.lora is None:
+            raise InvalidRequestError(field, None, "LoRA is not enabled on this engine (start it with --enable-lora)")
+        return self.lora
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Abort requests in any state; their blocks are free on return."""
@@ -301,6 +364,8 @@ class EngineCore:
                 f"cannot sleep with {self.scheduler.num_unfinished} unfinished requests: "
                 "let them finish (pause the frontend first) or abort them"
             )
+        if level == 2 and self.lora is not None:
+            raise ValueError("sleep level 2 (weights reloaded on wake) is not supported with --enable-lora; use level 1")
         if level <= self.sleep_level:
             return
         self.kv_manager.reset_prefix_cache()

@@ -82,6 +82,12 @@ UTILITY_METHODS: dict[str, Callable[..., Any]] = {
     "stop_profile": lambda core: core.profiler.stop(),
     "get_supported_tasks": lambda core: list(core.supported_tasks),
     "check_health": lambda core: None,  # answered at all: the step thread is alive
+    # LoRA adapters, as vLLM names them (InvalidRequestError -> a failure message).
+    "add_lora": lambda core, lora_request: core.add_lora(lora_request),
+    "remove_lora": lambda core, lora_id: core.remove_lora(int(lora_id)),
+    "list_loras": lambda core: core.list_loras(),
+    "lora_requests": lambda core: core.lora_requests(),  # Tandem's: the full LoRARequests
+    "pin_lora": lambda core, lora_id: core.pin_lora(int(lora_id)),
 }
 # What collective_rpc may run on every worker of an engine: read-only or maintenance
 # methods, never one that takes arbitrary code.

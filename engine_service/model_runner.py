@@ -11,6 +11,7 @@ import torch
 from engine_service.attention import AttentionMetadata
 from engine_service.config import ConfigError, EngineConfig
 from engine_service.kv_cache.manager import KVCacheManager
+from engine_service.lora import LoRAManager
 from engine_service.request import Request
 from engine_service.sampler import (
     LogprobsTensors,
@@ -73,6 +74,7 @@ class ModelRunner:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         kv_manager: KVCacheManager,
         structured: StructuredOutputManager | None = None,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.config = config
         self.model = model
@@ -83,6 +85,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.sampler = _sampler_for(config)
         self.structured = structured
+        self.lora = lora  # None: LoRA off, the forward never looks at adapters
 
     # ---- inputs --------------------------------------------------------------
 
@@ -142,7 +145,15 @@ class ModelRunner:
         requests = [sched.scheduled[i].request for i in batch.sample_idx]
         # Structured-output masks are filled on a worker thread during the forward.
         mask = self.structured.start_fill(requests) if self.structured is not None else None
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
+        if self.lora is not None:
+            self.lora.begin_step(
+                [e.request.lora_int_id for e in sched.scheduled], [e.num_new_tokens for e in sched.scheduled]
+            )
+        try:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         out = RunnerOutput()
         self._prompt_logprobs(sched, batch, hidden, out)
         if batch.pool_idx:

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from tandem.protocol.lora import LoRARequest
 from tandem.protocol.outputs import EngineCoreRequest, FinishReason, RequestError
 from tandem.protocol.pooling_params import PoolingParams
 from tandem.protocol.sampling_params import SamplingParams
@@ -118,6 +119,7 @@ class Request:
         received_time: float | None = None,
         timeout_s: float | None = None,
         pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -128,6 +130,9 @@ class Request:
         self.cache_salt = cache_salt
         self.client_index = client_index
         self.trace_headers = trace_headers
+        self.lora_request = lora_request
+        # 0: the base model; else the adapter's id (its device slot is the LoRA manager's).
+        self.lora_int_id = lora_request.lora_int_id if lora_request is not None else 0
         # Engine-side timestamps; arrival is when the engine service received it.
         self.times = RequestTimes(received_time)
         # time.monotonic() after which the client no longer waits (arrival + timeout_s).
@@ -177,7 +182,16 @@ class Request:
             received_time=req.received_time,
             timeout_s=req.timeout_s,
             pooling_params=req.pooling_params,
+            lora_request=req.lora_request,
         )
+
+    @property
+    def cache_extra(self) -> str | None:
+        """Mixed into the first block's prefix-cache hash: the salt, and the adapter, so
+        requests of different adapters (or salts) never share KV blocks."""
+        if self.lora_request is None:
+            return self.cache_salt
+        return f"{self.cache_salt or ''}\x00lora\x00{self.lora_request.cache_key}"
 
     @property
     def num_tokens(self) -> int:

@@ -7,6 +7,7 @@ import itertools
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine_service.admission import PrefillBound
 from engine_service.kv_cache.manager import KVCacheManager
@@ -14,6 +15,9 @@ from engine_service.request import Request, RequestStatus
 from engine_service.structured_output import Advance
 from engine_service.waiting_queue import WaitingQueue
 from tandem.protocol.outputs import ErrorCode, FinishReason, RequestError, SchedulerStats
+
+if TYPE_CHECKING:
+    from engine_service.lora import LoRAManager
 
 __all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput", "WaitingQueue"]
 
@@ -49,8 +53,11 @@ class Scheduler:
         max_model_len: int,
         policy: str = "fcfs",
         enable_chunked_prefill: bool = True,
+        lora: LoRAManager | None = None,
     ) -> None:
         self.kv = kv_manager
+        # With LoRA on: a waiting request is admitted only once its adapter has a slot.
+        self.lora = lora
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -227,11 +234,17 @@ class Scheduler:
         return min(n, budget)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        parked: list[Request] = []  # constraint still compiling: passed over this step
+        # Passed over this step: constraint still compiling, or no LoRA slot for its adapter.
+        parked: list[Request] = []
+        lora_ids = {r.lora_int_id for r in self.running} if self.lora is not None else set()
         while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             if request.structured is not None and not request.structured.ready:
                 parked.append(self.waiting.pop())
+                continue
+            if request.lora_int_id and not self._lora_slot(request, lora_ids):
+                if not request.is_finished:
+                    parked.append(self.waiting.pop())
                 continue
             hits, num_hit_tokens = [], 0
             pooling = request.pooling_params
@@ -254,10 +267,25 @@ class Scheduler:
             if request.times.first_scheduled is None:
                 request.times.first_scheduled = self._step_start
             self.running.append(request)
+            lora_ids.add(request.lora_int_id)
             out.scheduled.append(ScheduledRequest(request, n))
             budget -= n
         for request in reversed(parked):  # back in their places, ahead of the rest
             self.waiting.add(request, front=True)
+
+    def _lora_slot(self, request: Request, running_ids: set[int]) -> bool:
+        """Whether the adapter of ``request`` (queue head) has, or now got, a device slot.
+
+        An adapter that can no longer be read ends the request (INVALID_ARGUMENT)."""
+        assert self.lora is not None and request.lora_request is not None
+        try:
+            return self.lora.activate(request.lora_int_id, running_ids, request.lora_request)
+        except ValueError as exc:  # InvalidRequestError: the adapter went bad since arrival
+            self.waiting.pop()
+            error = RequestError(ErrorCode.INVALID_ARGUMENT, str(exc))
+            self._finish(request, FinishReason.ERROR, now=self._step_start, error=error)
+            self._shed.append(request)
+            return False
 
     def _pick_victim(self) -> Request:
         if self.policy == "priority":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from tandem.protocol.lora import LoRARequest
 from tandem.protocol.pooling_params import PoolingParams
 from tandem.protocol.sampling_params import RequestOutputKind, SamplingParams
 from tandem.protocol.structured_output import StructuredOutputsParams
@@ -15,7 +16,14 @@ from tandem.protocol.structured_output import StructuredOutputsParams
 if TYPE_CHECKING:
     from frontend_service.llm import LLM
 
-__all__ = ["LLM", "PoolingParams", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams"]
+__all__ = [
+    "LLM",
+    "LoRARequest",
+    "PoolingParams",
+    "RequestOutputKind",
+    "SamplingParams",
+    "StructuredOutputsParams",
+]
 
 
 def __getattr__(name: str) -> Any:

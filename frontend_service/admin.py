@@ -1,10 +1,11 @@
-"""The frontend's ``tandem.v1.FrontendAdmin`` servicer: engine membership at run time,
-and the engine utilities (sleep mode, profiling, prefix cache, health, collective_rpc).
+"""The frontend's ``tandem.v1.FrontendAdmin`` servicer: engine membership and LoRA
+adapters at run time, and the engine utilities (sleep mode, profiling, prefix cache,
+health, collective_rpc).
 
-Thin: protobuf in, ``EngineGroup.add`` / ``remove`` / ``describe`` or an AsyncLLM
-utility (frontend_service/utilities.py), protobuf out; every failure goes through
-``errors.abort_with``. Who may call it is the auth interceptor's business (every method
-here is an admin method).
+Thin: protobuf in, ``EngineGroup.add`` / ``remove`` / ``describe``, the AsyncLLM's LoRA
+calls, or an AsyncLLM utility (frontend_service/utilities.py) — each fanned out to every
+serving engine — protobuf out; every failure goes through ``errors.abort_with``. Who may
+call it is the auth interceptor's business (every method here is an admin method).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import grpc
 from frontend_service.engine_client import EngineUnavailableError
 from frontend_service.engine_group import EngineGroup, EngineState, EngineStatus
 from frontend_service.errors import abort_with
+from tandem.protocol import convert
 from tandem.protocol.sampling_params import InvalidRequestError
 from tandem.v1 import frontend_pb2, frontend_pb2_grpc
 
@@ -137,3 +139,54 @@ class FrontendAdminServicer(frontend_pb2_grpc.FrontendAdminServicer):
         return frontend_pb2.ListEnginesResponse(
             engines=[status_to_proto(s) for s in self.group.describe()]
         )
+
+    # ---- LoRA adapters -----------------------------------------------------------------
+
+    async def _llm(self, context: grpc.aio.ServicerContext) -> AsyncLLM:
+        if self.llm is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the frontend is still connecting to its engines")
+        return self.llm  # type: ignore[return-value]
+
+    async def AddLora(
+        self, request: frontend_pb2.AddLoraRequest, context: grpc.aio.ServicerContext
+    ) -> frontend_pb2.AddLoraResponse:
+        llm = await self._llm(context)
+        try:
+            lora = convert.lora_request_from_proto(request.lora_request)
+            added = await llm.add_lora(lora)
+        except Exception as exc:
+            await abort_with(context, exc)
+        return frontend_pb2.AddLoraResponse(added=added)
+
+    async def RemoveLora(
+        self, request: frontend_pb2.RemoveLoraRequest, context: grpc.aio.ServicerContext
+    ) -> frontend_pb2.RemoveLoraResponse:
+        llm = await self._llm(context)
+        try:
+            removed = await llm.remove_lora(request.lora_id)
+        except Exception as exc:
+            await abort_with(context, exc)
+        return frontend_pb2.RemoveLoraResponse(removed=removed)
+
+    async def ListLoras(
+        self, request: frontend_pb2.ListLorasRequest, context: grpc.aio.ServicerContext
+    ) -> frontend_pb2.ListLorasResponse:
+        llm = await self._llm(context)
+        try:
+            ids = await llm.list_loras()
+        except Exception as exc:
+            await abort_with(context, exc)
+        known = sorted(llm.loras.by_name.values(), key=lambda r: r.lora_int_id)
+        return frontend_pb2.ListLorasResponse(
+            loras=[convert.lora_request_to_proto(r) for r in known], engine_lora_ids=sorted(ids)
+        )
+
+    async def PinLora(
+        self, request: frontend_pb2.PinLoraRequest, context: grpc.aio.ServicerContext
+    ) -> frontend_pb2.PinLoraResponse:
+        llm = await self._llm(context)
+        try:
+            pinned = await llm.pin_lora(request.lora_id)
+        except Exception as exc:
+            await abort_with(context, exc)
+        return frontend_pb2.PinLoraResponse(pinned=pinned)

@@ -33,6 +33,8 @@ def generate_args_from_proto(msg: frontend_pb2.GenerateRequest) -> GenerateArgs:
             msg.add_generation_prompt if msg.HasField("add_generation_prompt") else None
         ),
     }
+    if msg.HasField("lora_request"):
+        kwargs["lora_request"] = convert.lora_request_from_proto(msg.lora_request)
     if kind == "prompt":
         kwargs["prompt"] = msg.prompt
     elif kind == "prompt_token_ids":

@@ -33,12 +33,14 @@ from frontend_service.engine_client import (
 )
 from frontend_service.engine_group import EngineGroup
 from frontend_service.input_processor import InputProcessor, ProcessedRequest
+from frontend_service.lora import LoraRegistry
 from frontend_service.metrics import FrontendMetrics, SequenceTimes
 from frontend_service.output_processor import OutputProcessor
 from frontend_service.outputs import RequestOutput, merge_request_outputs
 from frontend_service.pooling import Pooling
 from frontend_service.utilities import EngineUtilities
 from tandem import telemetry
+from tandem.protocol.lora import LoRARequest
 from tandem.protocol.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -112,6 +114,7 @@ class AsyncLLM(EngineUtilities, Pooling):
         # from any other engine are stale (aborted there) and dropped.
         self._moved: set[str] = set()
         self._num_pooling = 0  # pooling requests in flight (frontend_service/pooling.py)
+        self.loras = LoraRegistry(engines)  # LoRA adapters across the engines, by name
 
     # ---- engine callbacks (run on the event loop) ----------------------------------
 
@@ -236,6 +239,7 @@ class AsyncLLM(EngineUtilities, Pooling):
         add_special_tokens: bool | None = None,
         add_generation_prompt: bool | None = None,
         timeout_s: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield outputs of one request; its ``request_id`` is the caller's id.
 
@@ -288,6 +292,7 @@ class AsyncLLM(EngineUtilities, Pooling):
                 trace_headers=trace_headers,
                 add_special_tokens=add_special_tokens,
                 add_generation_prompt=add_generation_prompt,
+                lora_request=lora_request,
             )
             if self._observing:
                 for req in processed.engine_requests:
@@ -408,6 +413,20 @@ class AsyncLLM(EngineUtilities, Pooling):
             for _, request_output in result.request_outputs:
                 stream.queue.put_nowait(request_output)
         return found
+
+    # ---- LoRA adapters (vLLM's names; every serving engine) -----------------------------
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        return await self.loras.add_lora(lora_request)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return await self.loras.remove_lora(lora_id)
+
+    async def list_loras(self) -> set[int]:
+        return await self.loras.list_loras()
+
+    async def pin_lora(self, lora_id: int) -> bool:
+        return await self.loras.pin_lora(lora_id)
 
     # ---- pause / resume ----------------------------------------------------------------
 

@@ -11,9 +11,11 @@ producing anything (RESOURCE_EXHAUSTED, or UNAVAILABLE while it drains) to anoth
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -38,13 +40,26 @@ class EngineUnavailableError(RuntimeError):
     """No engine can take or finish the request. Maps to gRPC UNAVAILABLE."""
 
 
-class UtilityCallError(RuntimeError):
-    """An engine answered a utility call with a failure (unknown method, bad arguments,
-    or the method raised). Maps to gRPC FAILED_PRECONDITION."""
-
-
 class TokenizerMismatchError(RuntimeError):
     """The engine serves a model whose tokenizer differs from the frontend's."""
+
+
+class UtilityCallError(RuntimeError):
+    """An engine's utility method failed; the engine's message is "<ExceptionType>: <detail>".
+
+    ``invalid``: it refused its arguments (InvalidRequestError, ValueError):
+    INVALID_ARGUMENT. ``precondition``: the engine's state does not allow it now (busy,
+    profiling not configured): FAILED_PRECONDITION. Anything else: INTERNAL.
+    """
+
+    _INVALID = ("InvalidRequestError", "ValueError")
+    _PRECONDITION = ("EngineBusyError", "ProfilerNotConfiguredError")
+
+    def __init__(self, message: str) -> None:
+        kind, _, detail = message.partition(": ")
+        self.invalid = kind in self._INVALID
+        self.precondition = kind in self._PRECONDITION
+        super().__init__(detail if self.invalid or self.precondition else message)
 
 
 @dataclass
@@ -96,9 +111,9 @@ class EngineConnection:
         self._reconnector: asyncio.Task[None] | None = None
         self._fingerprint = ""
         self._closing = False
-        # Utility calls sent on the stream and not answered yet: call id -> future.
-        self._utility_calls: dict[int, asyncio.Future[object]] = {}
-        self._next_call_id = 1
+        # Utility calls on the stream waiting for their answer: call id -> future.
+        self._utility_calls: dict[int, asyncio.Future[UtilityOutput]] = {}
+        self._call_ids = itertools.count(1)
 
     async def fetch_info(self, timeout: float) -> engine_pb2.GetEngineInfoResponse:
         """Wait (up to ``timeout``) for the engine to answer and return its info.
@@ -157,7 +172,9 @@ class EngineConnection:
                     if out.finished:
                         self.in_flight.discard(out.request_id)
                 if outs.utility_output is not None:
-                    self._answer(outs.utility_output)
+                    waiter = self._utility_calls.pop(outs.utility_output.call_id, None)
+                    if waiter is not None and not waiter.done():
+                        waiter.set_result(outs.utility_output)
                 self.on_outputs(self, outs)
         except grpc.aio.AioRpcError as exc:
             reason = f"{exc.code().name}: {exc.details()}"
@@ -165,30 +182,6 @@ class EngineConnection:
             reason = "the frontend is shutting down"
         finally:
             self._mark_dead(reason)
-
-    def _answer(self, out: UtilityOutput) -> None:
-        future = self._utility_calls.pop(out.call_id, None)
-        if future is None or future.done():
-            return
-        if out.failure_message is not None:
-            future.set_exception(UtilityCallError(f"engine {self.index}: {out.failure_message}"))
-        else:
-            future.set_result(out.result)
-
-    async def call_utility(self, method: str, *args: object, timeout: float = 60.0) -> object:
-        """Call one of the engine's utility methods (vLLM's names, see
-        engine_service.core_loop.UTILITY_METHODS) on this stream and return its result."""
-        if not self.alive:
-            raise EngineUnavailableError(self.dead_reason or f"engine at {self.address} is not connected")
-        call_id = self._next_call_id
-        self._next_call_id += 1
-        future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
-        self._utility_calls[call_id] = future
-        self._send.put_nowait(convert.utility_input(call_id, method, args))
-        try:
-            return await asyncio.wait_for(future, timeout)
-        finally:
-            self._utility_calls.pop(call_id, None)
 
     def _mark_dead(self, reason: str) -> None:
         if not self.alive:
@@ -199,10 +192,10 @@ class EngineConnection:
         # Our own shutdown and a drained engine leaving are not errors; anything else is.
         logger.log(logging.INFO if self._closing or self.draining else logging.ERROR, self.dead_reason)
         self._send.put_nowait(None)  # ends the old stream's request iterator
-        calls, self._utility_calls = self._utility_calls, {}
-        for future in calls.values():
-            if not future.done():
-                future.set_exception(EngineUnavailableError(self.dead_reason))
+        for waiter in self._utility_calls.values():
+            if not waiter.done():
+                waiter.set_exception(EngineUnavailableError(self.dead_reason))
+        self._utility_calls.clear()
         self.on_dead(self, self.dead_reason)
         if not self._closing:
             self._reconnector = asyncio.ensure_future(self._reconnect())
@@ -241,6 +234,23 @@ class EngineConnection:
         self.load.in_flight_adds += 1
         self.in_flight.add(request.request_id)
         self._send.put_nowait(convert.add_input(request))
+
+    async def call_utility(self, method: str, *args: Any, timeout: float = 60.0) -> Any:
+        """Call one of the engine's UTILITY_METHODS over the stream; its result, or
+        UtilityCallError with the engine's failure message."""
+        if not self.alive:
+            raise EngineUnavailableError(self.dead_reason or f"engine at {self.address} is not connected")
+        call_id = next(self._call_ids)
+        waiter: asyncio.Future[UtilityOutput] = asyncio.get_running_loop().create_future()
+        self._utility_calls[call_id] = waiter
+        self._send.put_nowait(convert.utility_input(call_id, method, args))
+        try:
+            out = await asyncio.wait_for(waiter, timeout)
+        finally:
+            self._utility_calls.pop(call_id, None)
+        if out.failure_message is not None:
+            raise UtilityCallError(out.failure_message)
+        return out.result
 
     def abort(self, request_ids: list[str]) -> None:
         self.in_flight.difference_update(request_ids)

@@ -44,11 +44,17 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAVAILABLE, str(exc)
     if isinstance(exc, MemoryError):  # a size no validation foresaw: too big, not a bug
         return grpc.StatusCode.RESOURCE_EXHAUSTED, "the request needs more memory than the server has"
+    if isinstance(exc, UtilityCallError):
+        if exc.invalid:
+            return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+        if exc.precondition:
+            return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+        return grpc.StatusCode.INTERNAL, str(exc)
     if isinstance(exc, EngineExistsError):
         return grpc.StatusCode.ALREADY_EXISTS, str(exc)
     if isinstance(exc, EngineNotFoundError):
         return grpc.StatusCode.NOT_FOUND, str(exc)
-    if isinstance(exc, TokenizerMismatchError | UtilityCallError):
+    if isinstance(exc, TokenizerMismatchError):
         return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
     if isinstance(exc, asyncio.CancelledError):
         return grpc.StatusCode.CANCELLED, "the request was cancelled"

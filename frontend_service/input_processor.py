@@ -27,6 +27,7 @@ from typing import Any
 
 from frontend_service.output_processor import ParentRequest
 from frontend_service.prompt_bound import max_token_chars
+from tandem.protocol.lora import LoRARequest
 from tandem.protocol.outputs import EngineCoreRequest
 from tandem.protocol.pooling_params import PoolingParams
 from tandem.protocol.sampling_params import InvalidRequestError, SamplingParams
@@ -150,6 +151,7 @@ class InputProcessor:
         trace_headers: dict[str, str] | None = None,
         add_special_tokens: bool | None = None,
         add_generation_prompt: bool | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         """Validate one request given as exactly one of prompt, prompt_token_ids, messages.
 
@@ -183,6 +185,11 @@ class InputProcessor:
                 "cache_salt", cache_salt, f"must be a string of 1 to {MAX_CACHE_SALT_CHARS} characters"
             )
 
+        if lora_request is not None:
+            if not isinstance(lora_request, LoRARequest):
+                raise InvalidRequestError("lora_request", lora_request, "must be a LoRARequest")
+            lora_request.validate()
+
         field, text, token_ids = self._prompt_tokens(
             prompt, prompt_token_ids, messages, add_special_tokens, add_generation_prompt
         )
@@ -209,6 +216,7 @@ class InputProcessor:
                 client_index=client_index,
                 external_req_id=request_id,
                 trace_headers=dict(trace_headers) if trace_headers else None,
+                lora_request=lora_request,
             )
             for index in range(params.n)
         ]

@@ -15,6 +15,7 @@ from engine_service.core import EngineCore
 from frontend_service.input_processor import InputProcessor
 from frontend_service.output_processor import OutputProcessor
 from frontend_service.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from tandem.protocol.lora import LoRARequest
 from tandem.protocol.pooling_params import PoolingParams
 from tandem.protocol.sampling_params import InvalidRequestError, RequestOutputKind, SamplingParams
 
@@ -44,8 +45,12 @@ class LLM:
         self,
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order."""
+        """Run every prompt to completion; outputs come back in prompt order.
+
+        ``lora_request``: one adapter for every prompt, or a list with one per prompt
+        (None entries: the base model)."""
         if isinstance(prompts, str | Mapping) or _is_chat(prompts):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -57,17 +62,22 @@ class LLM:
                 raise InvalidRequestError(
                     "sampling_params", len(params_list), f"needs one per prompt ({len(prompts)})"
                 )
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise InvalidRequestError("lora_request", len(loras), f"needs one per prompt ({len(prompts)})")
         processor = OutputProcessor(self.tokenizer)
         order: list[str] = []
-        for prompt, params in zip(prompts, params_list):
-            request_id = str(self._counter)
-            self._counter += 1
-            final_only = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-            processed = self.input_processor.process(request_id, final_only, **_prompt_kwargs(prompt))
-            processor.add_processed(processed)
-            for req in processed.engine_requests:
-                self.engine.add_request(req)
-            order.append(request_id)
+        added: list[str] = []
+        try:
+            for prompt, params, lora in zip(prompts, params_list, loras, strict=True):
+                order.append(self._add(processor, prompt, params, lora, added))
+        except Exception:
+            self.engine.abort_requests(added)  # none of this call's requests run: blocks back
+            self.engine.take_abort_outputs()
+            raise
         results: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
             step = self.engine.step()
@@ -78,6 +88,42 @@ class LLM:
             if processed_outputs.reqs_to_abort:
                 self.engine.abort_requests(processed_outputs.reqs_to_abort)
         return [results[rid] for rid in order]
+
+    def _add(
+        self,
+        processor: OutputProcessor,
+        prompt: PromptType,
+        params: SamplingParams,
+        lora: LoRARequest | None,
+        added: list[str],
+    ) -> str:
+        request_id = str(self._counter)
+        self._counter += 1
+        final_only = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+        processed = self.input_processor.process(
+            request_id, final_only, lora_request=lora, **_prompt_kwargs(prompt)
+        )
+        processor.add_processed(processed)
+        for req in processed.engine_requests:
+            self.engine.add_request(req)
+            added.append(req.request_id)
+        return request_id
+
+    # ---- LoRA adapters ----------------------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load a LoRA adapter for later requests; True if it was new."""
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return self.engine.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return set(self.engine.list_loras())
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """Keep the adapter resident in a device slot (never evicted)."""
+        return self.engine.pin_lora(lora_id)
 
     def encode(
         self,

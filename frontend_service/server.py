@@ -383,6 +383,8 @@ async def _serve_frontend(
         admission=PendingLimit(config.max_pending_requests),
     )
     holder["llm"] = llm
+    await llm.loras.refresh()  # the engines' --lora-modules, selectable by name
+    admin_servicer.llm = llm
     servicer.attach(llm, model_name, info)
     admin_servicer.llm = llm
     signals = StopSignals().install()

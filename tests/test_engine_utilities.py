@@ -158,7 +158,7 @@ def test_admin_utilities_over_grpc(stack: Stack, admin: frontend_pb2_grpc.Fronte
     assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(grpc.RpcError) as bad:
         admin.CollectiveRpc(frontend_pb2.CollectiveRpcRequest(method="sleep"), timeout=10, metadata=ADMIN_METADATA)
-    assert bad.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(grpc.RpcError) as denied:
         admin.Sleep(frontend_pb2.SleepRequest(level=1), timeout=10)  # no admin token
     assert denied.value.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)

@@ -47,7 +47,7 @@ class KVCacheManager:
         hashes = request.block_hashes
         for i in range(len(hashes), len(tokens) // bs):
             parent = hashes[-1] if hashes else None
-            salt = request.cache_salt if i == 0 else None
+            salt = request.cache_extra if i == 0 else None
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], salt))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:

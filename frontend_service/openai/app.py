@@ -224,7 +224,7 @@ def build_app(view: FrontendView) -> FastAPI:
             raise ApiError(grpc.StatusCode.UNAVAILABLE, "the frontend is still connecting to its engines")
         if generating and s.draining:
             raise ApiError(grpc.StatusCode.UNAVAILABLE, "the frontend is draining")
-        if model and model not in (s.model_name, view.model_path):
+        if model and model not in (s.model_name, view.model_path) and s.llm.loras.get(model) is None:
             raise ApiError(grpc.StatusCode.NOT_FOUND, f"the model {model!r} does not exist; "
                            f"this server serves {s.model_name!r}", "model")
         return s.llm
@@ -233,7 +233,10 @@ def build_app(view: FrontendView) -> FastAPI:
         warn_unknown(body, request.url.path)
         llm = llm_for(body.model, generating=True)
         trace = {k: request.headers[k] for k in TRACE_HEADERS if k in request.headers}
-        call = serving.Call(llm, view.servicer.model_name, trace or None, error_event)
+        # A "model" naming a LoRA adapter the engines know runs with it (as vLLM does).
+        lora = llm.loras.get(body.model) if body.model else None
+        name = body.model if lora is not None else view.servicer.model_name
+        call = serving.Call(llm, name, trace or None, error_event, lora)
         try:
             result = await until_disconnect(request.receive, handler(call, body))
         except ClientGoneError:
@@ -280,7 +283,12 @@ def build_app(view: FrontendView) -> FastAPI:
         s = view.servicer
         card = {"id": s.model_name, "object": "model", "created": view.created, "owned_by": "tandem",
                 "root": view.model_path, "parent": None, "max_model_len": s.info.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
+        adapters = [
+            {"id": name, "object": "model", "created": view.created, "owned_by": "tandem",
+             "root": lora.lora_path, "parent": s.model_name, "max_model_len": s.info.max_model_len}
+            for name, lora in sorted(s.llm.loras.by_name.items())
+        ]
+        return JSONResponse({"object": "list", "data": [card, *adapters]})
 
     @app.post("/tokenize")
     @guarded

@@ -39,6 +39,7 @@ class Call:
     model: str  # the served model name, echoed in responses
     trace_headers: dict[str, str] | None
     error_event: ErrorEvent
+    lora_request: Any = None  # the LoRARequest the body's "model" named; None: the base model
 
 
 def _failed(c: CompletionOutput) -> None:
@@ -145,7 +146,8 @@ async def completions(call: Call, req: CompletionRequest) -> dict[str, Any] | As
         params = replace(params, prompt_logprobs=req.logprobs)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     extra = {"trace_headers": call.trace_headers, "priority": req.priority,
-             "cache_salt": req.cache_salt, "add_special_tokens": req.add_special_tokens}
+             "cache_salt": req.cache_salt, "add_special_tokens": req.add_special_tokens,
+             "lora_request": call.lora_request}
     outputs = _merged(call.llm, params, req.prompts(), req.request_id or request_id, extra)
     if req.stream:
         stream = _Stream(call, request_id, "text_completion", req.stream_options)
@@ -267,7 +269,8 @@ async def chat(call: Call, req: ChatCompletionRequest) -> dict[str, Any] | Async
     params = req.sampling_params()
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     extra = {"trace_headers": call.trace_headers, "priority": req.priority,
-             "cache_salt": req.cache_salt, "add_generation_prompt": req.add_generation_prompt}
+             "cache_salt": req.cache_salt, "add_generation_prompt": req.add_generation_prompt,
+             "lora_request": call.lora_request}
     inputs = [{"messages": req.chat_messages()}]
     outputs = _merged(call.llm, params, inputs, req.request_id or request_id, extra)
     if req.stream:

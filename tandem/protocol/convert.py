@@ -34,6 +34,7 @@ from itertools import accumulate, chain, compress, repeat
 from operator import attrgetter, not_
 from typing import Any
 
+from tandem.protocol.lora import LoRARequest
 from tandem.protocol.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -278,6 +279,19 @@ def pooling_params_from_proto(msg: common_pb2.PoolingParams) -> PoolingParams:
     )
 
 
+def lora_request_to_proto(req: LoRARequest) -> common_pb2.LoRARequest:
+    return common_pb2.LoRARequest(
+        lora_name=req.lora_name, lora_int_id=req.lora_int_id, lora_path=req.lora_path
+    )
+
+
+def lora_request_from_proto(msg: common_pb2.LoRARequest, field: str = "lora_request") -> LoRARequest:
+    """Raises InvalidRequestError naming ``field.<attribute>`` when it is malformed."""
+    req = LoRARequest(msg.lora_name, msg.lora_int_id, msg.lora_path)
+    req.validate(field)
+    return req
+
+
 def engine_core_request_to_proto(
     req: EngineCoreRequest, data_parallel_rank: int | None = None
 ) -> engine_pb2.EngineCoreRequest:
@@ -296,6 +310,7 @@ def engine_core_request_to_proto(
         trace_headers=req.trace_headers,
         data_parallel_rank=data_parallel_rank,
         timeout_s=req.timeout_s,
+        lora_request=lora_request_to_proto(req.lora_request) if req.lora_request is not None else None,
     )
 
 
@@ -323,6 +338,7 @@ def engine_core_request_from_proto(msg: engine_pb2.EngineCoreRequest) -> EngineC
         external_req_id=msg.external_req_id if msg.HasField("external_req_id") else None,
         trace_headers=dict(msg.trace_headers) or None,
         timeout_s=msg.timeout_s if msg.HasField("timeout_s") else None,
+        lora_request=lora_request_from_proto(msg.lora_request) if msg.HasField("lora_request") else None,
     )
 
 
@@ -355,7 +371,7 @@ def utility_input(call_id: int, method: str, args: Sequence[Any] = ()) -> engine
 
 
 def utility_value_to_proto(value: Any) -> engine_pb2.UtilityValue:
-    """None, bool, int, float, str, bytes, and lists/tuples of these (nested)."""
+    """None, bool, int, float, str, bytes, LoRARequest, and lists/tuples of these (nested)."""
     # bool before int: bool is a subclass of int.
     if value is None:
         return engine_pb2.UtilityValue()
@@ -369,7 +385,9 @@ def utility_value_to_proto(value: Any) -> engine_pb2.UtilityValue:
         return engine_pb2.UtilityValue(string_value=value)
     if isinstance(value, bytes | bytearray | memoryview):
         return engine_pb2.UtilityValue(bytes_value=bytes(value))
-    if isinstance(value, list | tuple):
+    if isinstance(value, LoRARequest):
+        return engine_pb2.UtilityValue(lora_request=lora_request_to_proto(value))
+    if isinstance(value, list | tuple | set | frozenset):
         return engine_pb2.UtilityValue(
             list_value=engine_pb2.UtilityValueList(
                 values=[utility_value_to_proto(v) for v in value]
@@ -385,6 +403,8 @@ def utility_value_from_proto(msg: engine_pb2.UtilityValue) -> Any:
         return None
     if kind == "list_value":
         return [utility_value_from_proto(v) for v in msg.list_value.values]
+    if kind == "lora_request":
+        return lora_request_from_proto(msg.lora_request)
     return getattr(msg, kind)
 
 

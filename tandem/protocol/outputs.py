@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.protocol.lora import LoRARequest
 from tandem.protocol.pooling_params import PoolingParams
 from tandem.protocol.sampling_params import SamplingParams
 
@@ -62,6 +63,8 @@ class EngineCoreRequest:
     trace_headers: dict[str, str] | None = None
     # Seconds left until the client's deadline when the frontend sent it; None: none.
     timeout_s: float | None = None
+    # The LoRA adapter to run with; None: the base model.
+    lora_request: LoRARequest | None = None
     # Engine-local, never sent: time.monotonic() when the engine service received it
     # (None: when the core got it). Queue time counts from here.
     received_time: float | None = field(default=None, compare=False)

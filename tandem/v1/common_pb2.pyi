@@ -144,3 +144,13 @@ class Logprobs(_message.Message):
     ranks: _containers.RepeatedScalarFieldContainer[int]
     num_columns: int
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., ranks: _Optional[_Iterable[int]] = ..., num_columns: _Optional[int] = ...) -> None: ...
+
+class LoRARequest(_message.Message):
+    __slots__ = ("lora_name", "lora_int_id", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_INT_ID_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_int_id: _Optional[int] = ..., lora_path: _Optional[str] = ...) -> None: ...

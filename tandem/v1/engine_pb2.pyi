@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EngineCoreRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "pooling_params", "eos_token_id", "arrival_time", "priority", "cache_salt", "client_index", "external_req_id", "trace_headers", "data_parallel_rank", "timeout_s")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "pooling_params", "eos_token_id", "arrival_time", "priority", "cache_salt", "client_index", "external_req_id", "trace_headers", "data_parallel_rank", "timeout_s", "lora_request")
     class TraceHeadersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +29,7 @@ class EngineCoreRequest(_message.Message):
     TRACE_HEADERS_FIELD_NUMBER: _ClassVar[int]
     DATA_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    LORA_REQUEST_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _common_pb2.SamplingParams
@@ -42,7 +43,8 @@ class EngineCoreRequest(_message.Message):
     trace_headers: _containers.ScalarMap[str, str]
     data_parallel_rank: int
     timeout_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., pooling_params: _Optional[_Union[_common_pb2.PoolingParams, _Mapping]] = ..., eos_token_id: _Optional[int] = ..., arrival_time: _Optional[float] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., client_index: _Optional[int] = ..., external_req_id: _Optional[str] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., data_parallel_rank: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    lora_request: _common_pb2.LoRARequest
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., pooling_params: _Optional[_Union[_common_pb2.PoolingParams, _Mapping]] = ..., eos_token_id: _Optional[int] = ..., arrival_time: _Optional[float] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., client_index: _Optional[int] = ..., external_req_id: _Optional[str] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., data_parallel_rank: _Optional[int] = ..., timeout_s: _Optional[float] = ..., lora_request: _Optional[_Union[_common_pb2.LoRARequest, _Mapping]] = ...) -> None: ...
 
 class AbortRequests(_message.Message):
     __slots__ = ("request_ids",)
@@ -51,20 +53,22 @@ class AbortRequests(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class UtilityValue(_message.Message):
-    __slots__ = ("int_value", "float_value", "string_value", "bool_value", "bytes_value", "list_value")
+    __slots__ = ("int_value", "float_value", "string_value", "bool_value", "bytes_value", "list_value", "lora_request")
     INT_VALUE_FIELD_NUMBER: _ClassVar[int]
     FLOAT_VALUE_FIELD_NUMBER: _ClassVar[int]
     STRING_VALUE_FIELD_NUMBER: _ClassVar[int]
     BOOL_VALUE_FIELD_NUMBER: _ClassVar[int]
     BYTES_VALUE_FIELD_NUMBER: _ClassVar[int]
     LIST_VALUE_FIELD_NUMBER: _ClassVar[int]
+    LORA_REQUEST_FIELD_NUMBER: _ClassVar[int]
     int_value: int
     float_value: float
     string_value: str
     bool_value: bool
     bytes_value: bytes
     list_value: UtilityValueList
-    def __init__(self, int_value: _Optional[int] = ..., float_value: _Optional[float] = ..., string_value: _Optional[str] = ..., bool_value: _Optional[bool] = ..., bytes_value: _Optional[bytes] = ..., list_value: _Optional[_Union[UtilityValueList, _Mapping]] = ...) -> None: ...
+    lora_request: _common_pb2.LoRARequest
+    def __init__(self, int_value: _Optional[int] = ..., float_value: _Optional[float] = ..., string_value: _Optional[str] = ..., bool_value: _Optional[bool] = ..., bytes_value: _Optional[bytes] = ..., list_value: _Optional[_Union[UtilityValueList, _Mapping]] = ..., lora_request: _Optional[_Union[_common_pb2.LoRARequest, _Mapping]] = ...) -> None: ...
 
 class UtilityValueList(_message.Message):
     __slots__ = ("values",)

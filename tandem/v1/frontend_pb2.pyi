@@ -51,7 +51,7 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "chat", "sampling_params", "request_id", "priority", "cache_salt", "add_special_tokens", "add_generation_prompt")
+    __slots__ = ("prompt", "prompt_token_ids", "chat", "sampling_params", "request_id", "priority", "cache_salt", "add_special_tokens", "add_generation_prompt", "lora_request")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class GenerateRequest(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    LORA_REQUEST_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: TokenIds
     chat: ChatMessages
@@ -70,7 +71,8 @@ class GenerateRequest(_message.Message):
     cache_salt: str
     add_special_tokens: bool
     add_generation_prompt: bool
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ..., add_generation_prompt: _Optional[bool] = ...) -> None: ...
+    lora_request: _common_pb2.LoRARequest
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ..., add_generation_prompt: _Optional[bool] = ..., lora_request: _Optional[_Union[_common_pb2.LoRARequest, _Mapping]] = ...) -> None: ...
 
 class DecodedLogprobs(_message.Message):
     __slots__ = ("logprobs", "tokens")
@@ -399,3 +401,51 @@ class EmbedResponse(_message.Message):
     data: _containers.RepeatedCompositeFieldContainer[Embedding]
     num_prompt_tokens: int
     def __init__(self, request_id: _Optional[str] = ..., data: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class AddLoraRequest(_message.Message):
+    __slots__ = ("lora_request",)
+    LORA_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    lora_request: _common_pb2.LoRARequest
+    def __init__(self, lora_request: _Optional[_Union[_common_pb2.LoRARequest, _Mapping]] = ...) -> None: ...
+
+class AddLoraResponse(_message.Message):
+    __slots__ = ("added",)
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    added: bool
+    def __init__(self, added: _Optional[bool] = ...) -> None: ...
+
+class RemoveLoraRequest(_message.Message):
+    __slots__ = ("lora_id",)
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    lora_id: int
+    def __init__(self, lora_id: _Optional[int] = ...) -> None: ...
+
+class RemoveLoraResponse(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: bool
+    def __init__(self, removed: _Optional[bool] = ...) -> None: ...
+
+class ListLorasRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListLorasResponse(_message.Message):
+    __slots__ = ("loras", "engine_lora_ids")
+    LORAS_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_LORA_IDS_FIELD_NUMBER: _ClassVar[int]
+    loras: _containers.RepeatedCompositeFieldContainer[_common_pb2.LoRARequest]
+    engine_lora_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, loras: _Optional[_Iterable[_Union[_common_pb2.LoRARequest, _Mapping]]] = ..., engine_lora_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PinLoraRequest(_message.Message):
+    __slots__ = ("lora_id",)
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    lora_id: int
+    def __init__(self, lora_id: _Optional[int] = ...) -> None: ...
+
+class PinLoraResponse(_message.Message):
+    __slots__ = ("pinned",)
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    pinned: bool
+    def __init__(self, pinned: _Optional[bool] = ...) -> None: ...

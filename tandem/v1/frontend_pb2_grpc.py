@@ -537,6 +537,26 @@ class FrontendAdminStub:
                 request_serializer=tandem_dot_v1_dot_frontend__pb2.CollectiveRpcRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_frontend__pb2.CollectiveRpcResponse.FromString,
                 _registered_method=True)
+        self.AddLora = channel.unary_unary(
+                '/tandem.v1.FrontendAdmin/AddLora',
+                request_serializer=tandem_dot_v1_dot_frontend__pb2.AddLoraRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_frontend__pb2.AddLoraResponse.FromString,
+                _registered_method=True)
+        self.RemoveLora = channel.unary_unary(
+                '/tandem.v1.FrontendAdmin/RemoveLora',
+                request_serializer=tandem_dot_v1_dot_frontend__pb2.RemoveLoraRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_frontend__pb2.RemoveLoraResponse.FromString,
+                _registered_method=True)
+        self.ListLoras = channel.unary_unary(
+                '/tandem.v1.FrontendAdmin/ListLoras',
+                request_serializer=tandem_dot_v1_dot_frontend__pb2.ListLorasRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_frontend__pb2.ListLorasResponse.FromString,
+                _registered_method=True)
+        self.PinLora = channel.unary_unary(
+                '/tandem.v1.FrontendAdmin/PinLora',
+                request_serializer=tandem_dot_v1_dot_frontend__pb2.PinLoraRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_frontend__pb2.PinLoraResponse.FromString,
+                _registered_method=True)
 
 
 class FrontendAdminServicer:
@@ -630,7 +650,38 @@ class FrontendAdminServicer:
 
     def CollectiveRpc(self, request, context):
         """vLLM's collective_rpc: an allow-listed engine method on every worker of every
-        engine. FAILED_PRECONDITION: a method not on the list.
+        engine. INVALID_ARGUMENT: a method not on the list.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AddLora(self, request, context):
+        """Loads a LoRA adapter on every serving engine (their add_lora); later
+        requests may name it by lora_name (also as the OpenAI API's "model").
+        INVALID_ARGUMENT when an engine refuses it (bad path, rank, modules).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveLora(self, request, context):
+        """Forgets a LoRA adapter on every serving engine (their remove_lora).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListLoras(self, request, context):
+        """The LoRA adapters the frontend knows, with the ids the engines report.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PinLora(self, request, context):
+        """Keeps a LoRA adapter resident in a device slot of every serving engine
+        (their pin_lora): never evicted. INVALID_ARGUMENT for an unknown id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -693,6 +744,26 @@ def add_FrontendAdminServicer_to_server(servicer, server):
                     servicer.CollectiveRpc,
                     request_deserializer=tandem_dot_v1_dot_frontend__pb2.CollectiveRpcRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_frontend__pb2.CollectiveRpcResponse.SerializeToString,
+            ),
+            'AddLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddLora,
+                    request_deserializer=tandem_dot_v1_dot_frontend__pb2.AddLoraRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_frontend__pb2.AddLoraResponse.SerializeToString,
+            ),
+            'RemoveLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveLora,
+                    request_deserializer=tandem_dot_v1_dot_frontend__pb2.RemoveLoraRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_frontend__pb2.RemoveLoraResponse.SerializeToString,
+            ),
+            'ListLoras': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLoras,
+                    request_deserializer=tandem_dot_v1_dot_frontend__pb2.ListLorasRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_frontend__pb2.ListLorasResponse.SerializeToString,
+            ),
+            'PinLora': grpc.unary_unary_rpc_method_handler(
+                    servicer.PinLora,
+                    request_deserializer=tandem_dot_v1_dot_frontend__pb2.PinLoraRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_frontend__pb2.PinLoraResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -996,6 +1067,114 @@ class FrontendAdmin:
             '/tandem.v1.FrontendAdmin/CollectiveRpc',
             tandem_dot_v1_dot_frontend__pb2.CollectiveRpcRequest.SerializeToString,
             tandem_dot_v1_dot_frontend__pb2.CollectiveRpcResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.FrontendAdmin/AddLora',
+            tandem_dot_v1_dot_frontend__pb2.AddLoraRequest.SerializeToString,
+            tandem_dot_v1_dot_frontend__pb2.AddLoraResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.FrontendAdmin/RemoveLora',
+            tandem_dot_v1_dot_frontend__pb2.RemoveLoraRequest.SerializeToString,
+            tandem_dot_v1_dot_frontend__pb2.RemoveLoraResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLoras(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.FrontendAdmin/ListLoras',
+            tandem_dot_v1_dot_frontend__pb2.ListLorasRequest.SerializeToString,
+            tandem_dot_v1_dot_frontend__pb2.ListLorasResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PinLora(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tandem.v1.FrontendAdmin/PinLora',
+            tandem_dot_v1_dot_frontend__pb2.PinLoraRequest.SerializeToString,
+            tandem_dot_v1_dot_frontend__pb2.PinLoraResponse.FromString,
             options,
             channel_credentials,
             insecure,
