@@ -9,6 +9,7 @@ import http.client
 import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -37,6 +38,8 @@ class FakeLLM:
     script: Callable[[], list[RequestOutput | BaseException]] = lambda: [_output("hi", True, "stop")]
     calls: list[tuple[SamplingParams, dict[str, Any]]] = field(default_factory=list)
     tokenizer: Any = None
+    # No LoRA adapters: every model name but the served one is unknown.
+    loras: Any = field(default_factory=lambda: SimpleNamespace(get=lambda name: None, by_name={}))
 
     async def generate(self, params: SamplingParams, **kwargs: Any) -> AsyncIterator[RequestOutput]:
         self.calls.append((params, kwargs))
