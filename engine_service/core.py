@@ -262,6 +262,8 @@ class EngineCore:
             raise InvalidRequestError(
                 f"prompt_token_ids[{index}]", bad, f"token id outside the vocabulary [0, {vocab})"
             )
+        if req.resumable:
+            self._check_session(req)
         if req.pooling_params is not None:
             req.pooling_params.validate(self.model_config.hidden_size)
         else:
@@ -291,6 +293,9 @@ class EngineCore:
             raise RequestRejected(
                 RequestError(ErrorCode.UNAVAILABLE, "the engine is asleep (sleep mode): wake it up first")
             )
+        if req.resumable and req.request_id in self.scheduler.sessions:
+            self._resume_session(req)
+            return
         self.validate_request(req)
         if req.request_id in self.scheduler.requests:
             raise InvalidRequestError("request_id", req.request_id, "a request with this id is running")
@@ -339,6 +344,35 @@ class EngineCore:
         if self.lora is None:
             raise InvalidRequestError(field, None, "LoRA is not enabled on this engine (start it with --enable-lora)")
         return self.lora
+
+    def _resume_session(self, req: EngineCoreRequest) -> None:
+        """The next turn of an idle streaming-input session: its new tokens appended."""
+        session = self.scheduler.sessions[req.request_id]
+        total = session.num_tokens + len(req.prompt_token_ids)
+        if not req.prompt_token_ids:
+            raise InvalidRequestError("prompt_token_ids", [], "a session turn needs new tokens")
+        if total >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt_token_ids", f"<{len(req.prompt_token_ids)} tokens>",
+                f"the session's {total} tokens leave no room to generate within max_model_len={self.max_model_len}",
+            )
+        vocab = self.model_config.vocab_size
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError("prompt_token_ids", bad[0], f"token id outside the vocabulary [0, {vocab})")
+        self._check_session(req)
+        req.sampling_params.validate(vocab, self.config.max_logprobs)
+        self.scheduler.resume(req.request_id, list(req.prompt_token_ids), req.sampling_params)
+
+    def _check_session(self, req: EngineCoreRequest) -> None:
+        params = req.sampling_params
+        for field, bad in (
+            ("pooling_params", req.pooling_params is not None),
+            ("sampling_params.prompt_logprobs", params.prompt_logprobs is not None),
+            ("sampling_params.structured_outputs", params.structured_outputs is not None),
+        ):
+            if bad:
+                raise InvalidRequestError(field, "set", "not supported in a streaming-input session")
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Abort requests in any state; their blocks are free on return."""

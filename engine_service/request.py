@@ -19,6 +19,7 @@ class RequestStatus(enum.Enum):
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED = enum.auto()
+    IDLE = enum.auto()  # a session between turns: blocks kept, not scheduled
 
 
 class RequestTimes:
@@ -120,8 +121,10 @@ class Request:
         timeout_s: float | None = None,
         pooling_params: PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
+        resumable: bool = False,
     ) -> None:
         self.request_id = request_id
+        self.resumable = resumable  # a streaming-input session: kept between turns
         self.prompt_token_ids = prompt_token_ids
         self.sampling_params = sampling_params
         self.eos_token_id = eos_token_id
@@ -167,6 +170,25 @@ class Request:
         self.pooling_params = pooling_params
         self.pooling_state: torch.Tensor | None = None  # MEAN: running sum; CLS: first state
 
+    def resume(self, new_token_ids: list[int], params: SamplingParams, now: float) -> None:
+        """Start a session's next turn: the history (prompt and output so far) plus
+        ``new_token_ids`` is the turn's prompt. Computed tokens (and their KV) carry over
+        and are reported as cached."""
+        self.prompt_token_ids = self.all_token_ids + list(new_token_ids)
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.output_token_ids = []
+        self.sampling_params = params
+        self.generator = None
+        if params.seed is not None:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(params.seed)
+        self.status = RequestStatus.WAITING
+        self.finish_reason = self.stop_reason = self.error = None
+        # Reported as cached: what carries over (-1, "not yet": an evicted session's
+        # next turn looks its history up in the prefix cache).
+        self.num_cached_tokens = self.num_computed_tokens or -1
+        self.times = RequestTimes(now)
+
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:
         return cls(
@@ -183,6 +205,7 @@ class Request:
             timeout_s=req.timeout_s,
             pooling_params=req.pooling_params,
             lora_request=req.lora_request,
+            resumable=req.resumable,
         )
 
     @property

@@ -15,6 +15,7 @@ from engine_service.request import Request, RequestStatus
 from engine_service.structured_output import Advance
 from engine_service.waiting_queue import WaitingQueue
 from tandem.protocol.outputs import ErrorCode, FinishReason, RequestError, SchedulerStats
+from tandem.protocol.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine_service.lora import LoRAManager
@@ -64,6 +65,9 @@ class Scheduler:
         self.policy = policy
         self.enable_chunked_prefill = enable_chunked_prefill
         self.requests: dict[str, Request] = {}
+        # Streaming-input sessions between turns: their blocks are kept (evicted, and
+        # recomputed on the next turn, only when running requests need the room).
+        self.sessions: dict[str, Request] = {}
         self.waiting = WaitingQueue(policy)
         self.running: list[Request] = []
         self._num_preemptions = 0
@@ -102,6 +106,14 @@ class Scheduler:
         done = []
         now = time.monotonic()
         for rid in request_ids:
+            session = self.sessions.pop(rid, None)
+            if session is not None:  # between turns: the session ends
+                self.kv.free(session)
+                session.status = RequestStatus.FINISHED
+                session.finish_reason = reason
+                session.times.finished = now
+                done.append(session)
+                continue
             request = self.requests.get(rid)
             if request is None or request.is_finished:
                 continue
@@ -134,6 +146,35 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.requests)
 
+    # ---- streaming-input sessions ------------------------------------------------
+
+    def _park(self, request: Request, reason: FinishReason, stop_reason: int | None, now: float) -> None:
+        """End a session's turn: blocks and computed tokens stay for the next one."""
+        request.times.finished = now
+        request.status = RequestStatus.IDLE
+        request.finish_reason = reason
+        request.stop_reason = stop_reason
+        del self.requests[request.request_id]
+        self.sessions[request.request_id] = request
+
+    def resume(self, request_id: str, new_token_ids: list[int], params: SamplingParams) -> Request:
+        """Queue an idle session's next turn (its history plus ``new_token_ids``)."""
+        request = self.sessions.pop(request_id)
+        request.resume(new_token_ids, params, time.monotonic())
+        self.requests[request_id] = request
+        self.waiting.add(request)
+        return request
+
+    def _evict_idle_session(self) -> bool:
+        """Free the blocks of the least recently used idle session (its next turn
+        recomputes its history); False when there is none."""
+        if not self.sessions:
+            return False
+        request = min(self.sessions.values(), key=lambda r: r.times.finished or 0.0)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        return True
+
     # ---- deadlines -------------------------------------------------------------
 
     def expire(self, now: float) -> list[Request]:
@@ -143,6 +184,15 @@ class Scheduler:
         while self._deadlines and self._deadlines[0][0] <= now:
             _, _, request = heapq.heappop(self._deadlines)
             if request.is_finished:
+                continue
+            if request.status == RequestStatus.IDLE:  # a session between turns ends
+                self.sessions.pop(request.request_id, None)
+                self.kv.free(request)
+                request.status = RequestStatus.FINISHED
+                request.finish_reason = FinishReason.ERROR
+                request.error = RequestError(ErrorCode.DEADLINE_EXCEEDED, "the session's deadline passed")
+                request.times.finished = now
+                expired.append(request)
                 continue
             where = "running" if request.status == RequestStatus.RUNNING else "waiting"
             if where == "running":
@@ -209,6 +259,8 @@ class Scheduler:
             if n <= 0:
                 continue
             while not self.kv.allocate_slots(request, n):
+                if self._evict_idle_session():
+                    continue
                 victim = self._pick_victim()
                 self._preempt(victim, out)
                 for entry in out.scheduled:
@@ -257,6 +309,8 @@ class Scheduler:
                 break
             n = min(n, budget)
             if not self.kv.allocate_slots(request, n, hits):
+                if self._evict_idle_session():
+                    continue  # look at the same request again with the room made
                 break
             self.waiting.pop()
             self._num_admitted += 1
@@ -353,7 +407,10 @@ class Scheduler:
                     reason = FinishReason.STOP  # the constraint is complete
             if reason is not None:
                 self.running.remove(request)
-                self._finish(request, reason, stop_reason, now=now, error=error)
+                if request.resumable and reason in (FinishReason.STOP, FinishReason.LENGTH):
+                    self._park(request, reason, stop_reason, now)
+                else:
+                    self._finish(request, reason, stop_reason, now=now, error=error)
                 finished.append(request)
         return finished
 

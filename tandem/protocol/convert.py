@@ -311,6 +311,7 @@ def engine_core_request_to_proto(
         data_parallel_rank=data_parallel_rank,
         timeout_s=req.timeout_s,
         lora_request=lora_request_to_proto(req.lora_request) if req.lora_request is not None else None,
+        resumable=req.resumable,
     )
 
 
@@ -339,6 +340,7 @@ def engine_core_request_from_proto(msg: engine_pb2.EngineCoreRequest) -> EngineC
         trace_headers=dict(msg.trace_headers) or None,
         timeout_s=msg.timeout_s if msg.HasField("timeout_s") else None,
         lora_request=lora_request_from_proto(msg.lora_request) if msg.HasField("lora_request") else None,
+        resumable=msg.resumable,
     )
 
 

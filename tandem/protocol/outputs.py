@@ -65,6 +65,8 @@ class EngineCoreRequest:
     timeout_s: float | None = None
     # The LoRA adapter to run with; None: the base model.
     lora_request: LoRARequest | None = None
+    # A streaming-input session turn (see engine.proto EngineCoreRequest.resumable).
+    resumable: bool = False
     # Engine-local, never sent: time.monotonic() when the engine service received it
     # (None: when the core got it). Queue time counts from here.
     received_time: float | None = field(default=None, compare=False)

@@ -1,0 +1,97 @@
+"""Streaming-input sessions: a request whose prompt keeps arriving in chunks, each
+answered by a continuation, with the KV cache kept between chunks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine_service.config import EngineConfig
+from engine_service.core import EngineCore
+from tandem.protocol.outputs import EngineCoreRequest, FinishReason
+from tandem.protocol.sampling_params import InvalidRequestError, SamplingParams
+from tandem.protocol.structured_output import StructuredOutputsParams
+
+
+def _core(model: str, **kwargs: object) -> EngineCore:
+    kwargs.setdefault("max_num_batched_tokens", 32)
+    return EngineCore(EngineConfig(model=model, max_model_len=512, **kwargs))
+
+
+def _drain(core: EngineCore, rid: str, scheduled: list[int]) -> tuple[list[int], object]:
+    """Step until ``rid``'s turn ends; ``scheduled`` gets its token count per step."""
+    tokens: list[int] = []
+    while True:
+        outs = core.step()
+        scheduled.append(sum(o.num_new_tokens for o in core._last_sched.scheduled if o.request.request_id == rid))
+        for out in outs.outputs:
+            if out.request_id == rid:
+                tokens += out.new_token_ids
+                if out.finished:
+                    return tokens, out
+
+
+@pytest.fixture
+def core(tiny_llama_dir: str) -> EngineCore:
+    core = _core(tiny_llama_dir)
+    original = core.scheduler.schedule
+
+    def schedule():  # type: ignore[no-untyped-def]
+        core._last_sched = original()  # type: ignore[attr-defined]
+        return core._last_sched  # type: ignore[attr-defined]
+
+    core.scheduler.schedule = schedule  # type: ignore[method-assign]
+    return core
+
+
+def test_three_chunks_equal_one_request_each_and_compute_only_new_tokens(
+    core: EngineCore, tiny_llama_dir: str, rng: random.Random
+) -> None:
+    chunks = [[rng.randrange(5, 1024) for _ in range(n)] for n in (40, 9, 23)]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    history: list[int] = []
+    reference = _core(tiny_llama_dir, enable_prefix_caching=False)
+    for turn, chunk in enumerate(chunks):
+        computed_before = len(history) - 1 if history else 0
+        core.add_request(EngineCoreRequest("s", chunk, params, resumable=True))
+        scheduled: list[int] = []
+        tokens, last = _drain(core, "s", scheduled)
+        assert last.finish_reason == FinishReason.LENGTH
+        history += chunk
+        # The same tokens as one request whose prompt is the whole history so far.
+        reference.add_request(EngineCoreRequest(f"ref{turn}", list(history), params))
+        ref_tokens: list[int] = []
+        while reference.has_unfinished_requests():
+            for out in reference.step().outputs:
+                ref_tokens += out.new_token_ids
+        assert tokens == ref_tokens, turn
+        # Only the new chunk and the previous turn's last token were computed.
+        assert sum(scheduled) == len(history) - computed_before + len(tokens) - 1
+        if turn:
+            assert last.num_cached_tokens == computed_before
+        history += tokens
+        assert not core.has_unfinished_requests() and "s" in core.scheduler.sessions
+    core.abort_requests(["s"])
+    assert not core.scheduler.sessions
+    core.kv_manager.pool.check_all_free()
+
+
+def test_session_restrictions_and_eviction(core: EngineCore) -> None:
+    with pytest.raises(InvalidRequestError) as err:
+        core.add_request(EngineCoreRequest(
+            "x", [5, 6], SamplingParams(structured_outputs=StructuredOutputsParams(regex="a")), resumable=True
+        ))
+    assert err.value.field == "sampling_params.structured_outputs"
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    core.add_request(EngineCoreRequest("a", list(range(5, 45)), params, resumable=True))
+    _drain(core, "a", [])
+    held = core.kv_manager.pool.num_free_blocks
+    core.scheduler._evict_idle_session()  # what memory pressure does
+    assert core.kv_manager.pool.num_free_blocks > held
+    # The next turn recomputes the history and still works.
+    core.add_request(EngineCoreRequest("a", [7, 8, 9], params, resumable=True))
+    tokens, last = _drain(core, "a", [])
+    assert len(tokens) == 2 and last.finish_reason == FinishReason.LENGTH
+    core.abort_requests(["a"])
+    core.kv_manager.pool.check_all_free()
