@@ -44,6 +44,7 @@ from tandem.protocol.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
     ErrorCode,
+    FinishReason,
     RequestError,
 )
 from tandem.protocol.sampling_params import InvalidRequestError, SamplingParams
@@ -63,6 +64,10 @@ SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineCore"].full_name
 # Requests carry token ids and outputs carry logprobs: far below this at any max_model_len.
 MESSAGE_LIMITS = MessageLimits(max_receive_bytes=64 * 1024 * 1024, max_send_bytes=64 * 1024 * 1024)
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+# Finish reasons that end a streaming-input session's turn, not the session.
+_TURN_ENDS = (FinishReason.STOP, FinishReason.LENGTH)
 
 
 @dataclass
@@ -117,6 +122,10 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
         self.fingerprint = tokenizer_fingerprint(model_dir)
         self.clients: dict[int, _Client] = {}
         self.owner: dict[str, int] = {}  # request id -> client id
+        # Streaming-input sessions: their turns end without ending them (owner kept);
+        # ``idle_sessions`` are between turns, waiting for the next add or an abort.
+        self.resumable: set[str] = set()
+        self.idle_sessions: set[str] = set()
         # internal call id -> a local waiter, or (client id, the client's own call id)
         self.pending_utility: dict[int, asyncio.Future[object] | tuple[int, int]] = {}
         self._client_ids = itertools.count()
@@ -211,6 +220,11 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             if cid in per_client:
                 per_client[cid].append(out)
             if out.finished:
+                if out.request_id in self.resumable and out.finish_reason in _TURN_ENDS:
+                    self.idle_sessions.add(out.request_id)  # the session goes on
+                    continue
+                self.resumable.discard(out.request_id)
+                self.idle_sessions.discard(out.request_id)
                 del self.owner[out.request_id]
                 if cid in self.clients:
                     self.clients[cid].request_ids.discard(out.request_id)
@@ -356,12 +370,17 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
         try:
             request = convert.engine_core_request_from_proto(msg)
             self.core.validate_request(request)
-            if request.request_id in self.owner:
-                raise InvalidRequestError("request_id", request.request_id, "already running")
+            rid = request.request_id
+            next_turn = request.resumable and rid in self.idle_sessions and self.owner.get(rid) == client.client_id
+            if rid in self.owner and not next_turn:
+                raise InvalidRequestError("request_id", rid, "already running")
         except (InvalidRequestError, convert.ConversionError) as exc:
             self._send_error(client, msg.request_id, RequestError(ErrorCode.INVALID_ARGUMENT, str(exc)))
             return
         request.received_time = time.monotonic()  # queue time counts from here
+        if request.resumable:
+            self.resumable.add(request.request_id)
+            self.idle_sessions.discard(request.request_id)
         self.owner[request.request_id] = client.client_id
         client.request_ids.add(request.request_id)
         self.engine_loop.add_request(request)

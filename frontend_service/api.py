@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from frontend_service.outputs import CompletionOutput, Logprob, RequestOutput
+from frontend_service.sessions import SessionChunk
 from tandem.protocol import convert
 from tandem.protocol.sampling_params import InvalidRequestError, SamplingParams
 from tandem.v1 import common_pb2, frontend_pb2
@@ -139,3 +140,18 @@ def embed_inputs_from_proto(msg: frontend_pb2.EmbedRequest) -> list[dict[str, An
         else:
             raise InvalidRequestError(f"inputs[{i}]", None, "set text or token_ids")
     return out
+
+
+def session_chunk_from_proto(msg: frontend_pb2.SessionInput) -> SessionChunk:
+    """A SessionInput as the AsyncLLM's SessionChunk (sampling params only if set)."""
+    kind = msg.WhichOneof("input")
+    if kind is None:
+        raise InvalidRequestError("input", None, "set prompt or prompt_token_ids")
+    return SessionChunk(
+        prompt=msg.prompt if kind == "prompt" else None,
+        prompt_token_ids=list(msg.prompt_token_ids.token_ids) if kind == "prompt_token_ids" else None,
+        sampling_params=(
+            convert.sampling_params_from_proto(msg.sampling_params) if msg.HasField("sampling_params") else None
+        ),
+        add_special_tokens=msg.add_special_tokens if msg.HasField("add_special_tokens") else None,
+    )

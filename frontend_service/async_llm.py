@@ -38,6 +38,7 @@ from frontend_service.metrics import FrontendMetrics, SequenceTimes
 from frontend_service.output_processor import OutputProcessor
 from frontend_service.outputs import RequestOutput, merge_request_outputs
 from frontend_service.pooling import Pooling
+from frontend_service.sessions import Sessions, as_session_chunks
 from frontend_service.utilities import EngineUtilities
 from tandem import telemetry
 from tandem.protocol.lora import LoRARequest
@@ -80,7 +81,7 @@ class _Stream:
     got_output: bool = False  # an engine produced something for it
 
 
-class AsyncLLM(EngineUtilities, Pooling):
+class AsyncLLM(EngineUtilities, Pooling, Sessions):
     def __init__(
         self,
         tokenizer: Any,
@@ -254,6 +255,14 @@ class AsyncLLM(EngineUtilities, Pooling):
         on, the request's span continues that trace and the engine gets the span's own
         context instead; with tracing off they are passed on to the engine as they are.
         """
+        if prompt is not None and not isinstance(prompt, str) and hasattr(prompt, "__aiter__"):
+            # Streaming input (the reference's): chunks of a session, one turn each.
+            chunks = as_session_chunks(prompt, sampling_params)
+            async for out in self.generate_session(
+                chunks, request_id=request_id, priority=priority, trace_headers=trace_headers, timeout_s=timeout_s
+            ):
+                yield out
+            return
         arrival = time.monotonic()
         span = None
         failure: BaseException | None = None

@@ -40,6 +40,7 @@ from tandem.health import ServiceHealth
 from tandem.protocol import convert
 from tandem.protocol.fingerprint import tokenizer_fingerprint
 from tandem.protocol.model_config import ModelConfig
+from tandem.protocol.sampling_params import RequestOutputKind, SamplingParams
 from tandem.security import (
     EngineChannelSecurity,
     SecurityConfigError,
@@ -134,6 +135,42 @@ class GenerationServicer(frontend_pb2_grpc.GenerationServicer):
                     await context.abort(grpc.StatusCode.INTERNAL, "the engine failed this request")
         except asyncio.CancelledError:
             raise  # client cancelled or deadline passed: AsyncLLM already aborted
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await abort_with(context, exc)
+
+    async def GenerateSession(
+        self, request_iterator: AsyncIterator[frontend_pb2.SessionInput], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[frontend_pb2.GenerateResponse]:
+        await self._require_ready(context)
+        await self._refuse_while_draining(context)
+        inputs = request_iterator.__aiter__()
+        try:
+            first_msg = await anext(inputs, None)
+            if first_msg is None:
+                return
+            turn = {"params": SamplingParams(output_kind=RequestOutputKind.DELTA), "first": True}
+
+            async def chunks() -> AsyncIterator[Any]:
+                msg = first_msg
+                while msg is not None:
+                    chunk = api.session_chunk_from_proto(msg)
+                    turn["params"] = chunk.sampling_params or turn["params"]
+                    turn["first"] = True
+                    yield chunk
+                    msg = await anext(inputs, None)
+
+            outputs = self.llm.generate_session(
+                chunks(),
+                request_id=first_msg.request_id if first_msg.HasField("request_id") else None,
+                timeout_s=context.time_remaining(),
+            )
+            async for out in outputs:
+                yield api.response_to_proto(out, turn["params"], turn["first"])
+                turn["first"] = False
+        except asyncio.CancelledError:
+            raise
         except grpc.aio.AbortError:
             raise
         except Exception as exc:

@@ -95,3 +95,66 @@ def test_session_restrictions_and_eviction(core: EngineCore) -> None:
     assert len(tokens) == 2 and last.finish_reason == FinishReason.LENGTH
     core.abort_requests(["a"])
     core.kv_manager.pool.check_all_free()
+
+
+# ---- over gRPC ------------------------------------------------------------------------
+
+pytest_plugins = ["tests.e2e_helpers"]
+
+
+def test_generate_session_over_grpc(e2e_stack, rng: random.Random) -> None:  # type: ignore[no-untyped-def]
+    import queue
+
+    import grpc
+
+    from tandem.v1 import common_pb2, frontend_pb2
+
+    stub = e2e_stack.generation_stub()
+    sp = common_pb2.SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True,
+                                   output_kind=common_pb2.OUTPUT_KIND_DELTA)
+    chunks = [[rng.randrange(5, 1024) for _ in range(n)] for n in (20, 7, 11)]
+    feed: queue.Queue = queue.Queue()
+
+    def inputs():  # type: ignore[no-untyped-def]
+        while (item := feed.get()) is not None:
+            yield item
+
+    feed.put(frontend_pb2.SessionInput(prompt_token_ids=frontend_pb2.TokenIds(token_ids=chunks[0]),
+                                       sampling_params=sp, request_id="sess-1"))
+    responses = stub.GenerateSession(inputs(), timeout=60)
+    history: list[int] = []
+    for turn, chunk in enumerate(chunks):
+        tokens: list[int] = []
+        cached = 0
+        for response in responses:
+            assert response.request_id == "sess-1"
+            tokens += [t for o in response.outputs for t in o.token_ids]
+            cached = max(cached, response.usage.cached_tokens)
+            if response.finished:
+                break
+        history += chunk
+        one_shot = stub.Generate(frontend_pb2.GenerateRequest(
+            prompt_token_ids=frontend_pb2.TokenIds(token_ids=history), sampling_params=sp), timeout=60)
+        assert tokens == [t for r in one_shot for o in r.outputs for t in o.token_ids], turn
+        if turn:  # the history before this chunk was not computed again
+            assert cached == len(history) - len(chunk) - 1
+        history += tokens
+        feed.put(frontend_pb2.SessionInput(prompt_token_ids=frontend_pb2.TokenIds(token_ids=chunks[turn + 1]))
+                 if turn + 1 < len(chunks) else None)
+    assert list(responses) == []  # the session ends with the client's stream
+    e2e_stack.wait_engines_idle()  # and its blocks are free
+
+    # Cancelled mid-turn: every block comes back.
+    feed = queue.Queue()
+    long_sp = common_pb2.SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    feed.put(frontend_pb2.SessionInput(prompt="a long story", sampling_params=long_sp))
+    call = stub.GenerateSession(inputs(), timeout=60)
+    next(call)
+    call.cancel()
+    feed.put(None)
+    e2e_stack.wait_engines_idle()
+
+    bad = iter([frontend_pb2.SessionInput(prompt="x", sampling_params=common_pb2.SamplingParams(n=2))])
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.GenerateSession(bad, timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n=" in err.value.details()

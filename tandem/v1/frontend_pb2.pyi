@@ -449,3 +449,17 @@ class PinLoraResponse(_message.Message):
     PINNED_FIELD_NUMBER: _ClassVar[int]
     pinned: bool
     def __init__(self, pinned: _Optional[bool] = ...) -> None: ...
+
+class SessionInput(_message.Message):
+    __slots__ = ("prompt", "prompt_token_ids", "sampling_params", "request_id", "add_special_tokens")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    prompt_token_ids: TokenIds
+    sampling_params: _common_pb2.SamplingParams
+    request_id: str
+    add_special_tokens: bool
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...

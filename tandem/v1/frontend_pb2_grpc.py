@@ -46,6 +46,11 @@ class GenerationStub:
                 request_serializer=tandem_dot_v1_dot_frontend__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=tandem_dot_v1_dot_frontend__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.GenerateSession = channel.stream_stream(
+                '/tandem.v1.Generation/GenerateSession',
+                request_serializer=tandem_dot_v1_dot_frontend__pb2.SessionInput.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_frontend__pb2.GenerateResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/tandem.v1.Generation/Abort',
                 request_serializer=tandem_dot_v1_dot_frontend__pb2.AbortRequest.SerializeToString,
@@ -104,6 +109,20 @@ class GenerationServicer:
         input order. The inputs run as one pooling request each, batched with
         whatever else the engines run. INVALID_ARGUMENT: no input, an empty or too
         long input, bad pooling_params (the message names the field).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateSession(self, request_iterator, context):
+        """A streaming-input session: the client sends its prompt in chunks, and after
+        each chunk the server streams a continuation (GenerateResponses; the last of
+        each turn has finished set). Turn k's prompt is every earlier chunk and
+        continuation plus chunk k; the engine keeps the session's KV cache between
+        turns and computes only the new tokens. Closing the client's stream ends the
+        session (after the turn in progress); cancelling frees it at once.
+        INVALID_ARGUMENT: n > 1, OUTPUT_KIND_FINAL_ONLY, stop strings, structured
+        output or prompt logprobs, or a chunk that does not fit max_model_len.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -176,6 +195,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=tandem_dot_v1_dot_frontend__pb2.EmbedRequest.FromString,
                     response_serializer=tandem_dot_v1_dot_frontend__pb2.EmbedResponse.SerializeToString,
+            ),
+            'GenerateSession': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateSession,
+                    request_deserializer=tandem_dot_v1_dot_frontend__pb2.SessionInput.FromString,
+                    response_serializer=tandem_dot_v1_dot_frontend__pb2.GenerateResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -269,6 +293,33 @@ class Generation:
             '/tandem.v1.Generation/Embed',
             tandem_dot_v1_dot_frontend__pb2.EmbedRequest.SerializeToString,
             tandem_dot_v1_dot_frontend__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/tandem.v1.Generation/GenerateSession',
+            tandem_dot_v1_dot_frontend__pb2.SessionInput.SerializeToString,
+            tandem_dot_v1_dot_frontend__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,
