@@ -356,6 +356,7 @@ def start_stack(
     num_engines: int,
     log_dir: Path,
     engine_args: Sequence[str] = ENGINE_ARGS,
+    http_port: int = 0,
 ) -> Iterator[Stack]:
     """Start engines and frontend together (the frontend waits for the engines itself)."""
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -365,7 +366,7 @@ def start_stack(
         for i in range(num_engines):
             engines.append(start_engine(model_dir, i, log_dir, engine_args))
             started.append(engines[-1])
-        frontend = start_frontend(model_dir, [e.address for e in engines], log_dir)
+        frontend = start_frontend(model_dir, [e.address for e in engines], log_dir, http_port=http_port)
         started.append(frontend)
         for proc in started:
             proc.wait_serving()

@@ -234,7 +234,7 @@ def test_grpc_end_to_end(
     tiny_llama_dir: str, llama_adapters: list[LoRARequest], alone: dict, tmp_path: Path
 ) -> None:
     from tandem.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
-    from tests.e2e_helpers import ADMIN_METADATA, ENGINE_ARGS, start_stack
+    from tests.e2e_helpers import ADMIN_METADATA, ENGINE_ARGS, free_port, start_stack
 
     a1, a2 = llama_adapters[:2]
     args = (*ENGINE_ARGS, "--enable-lora", "--max-loras", "2", "--lora-modules", f"a1={a1.lora_path}")
@@ -251,8 +251,9 @@ def test_grpc_end_to_end(
             tokens.extend(resp.outputs[0].token_ids)
         return tokens
 
+    http_port = free_port()
     with (
-        start_stack(tiny_llama_dir, 1, tmp_path / "logs", args) as stack,
+        start_stack(tiny_llama_dir, 1, tmp_path / "logs", args, http_port=http_port) as stack,
         grpc.insecure_channel(stack.frontend.address) as channel,
     ):
         stub = frontend_pb2_grpc.GenerationStub(channel)
@@ -275,6 +276,18 @@ def test_grpc_end_to_end(
             admin.AddLora(frontend_pb2.AddLoraRequest(lora_request=bad), metadata=ADMIN_METADATA)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "lora_request.lora_path" in info.value.details()
+        # The OpenAI API: "model" names an adapter, and /v1/models lists the adapters.
+        import json
+        import urllib.request
+
+        base = f"http://127.0.0.1:{http_port}"
+        with urllib.request.urlopen(f"{base}/v1/models", timeout=30) as reply:
+            assert {"a1", "a2"} <= {card["id"] for card in json.load(reply)["data"]}
+        body = json.dumps({"model": "a1", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+                           "ignore_eos": True, "return_token_ids": True}).encode()
+        post = urllib.request.Request(f"{base}/v1/completions", body, {"content-type": "application/json"})
+        with urllib.request.urlopen(post, timeout=60) as reply:
+            assert json.load(reply)["choices"][0]["token_ids"] == alone[(0, 1)]
         assert admin.RemoveLora(frontend_pb2.RemoveLoraRequest(lora_id=2), metadata=ADMIN_METADATA).removed
 
 

@@ -158,3 +158,31 @@ def test_generate_session_over_grpc(e2e_stack, rng: random.Random) -> None:  # t
     with pytest.raises(grpc.RpcError) as err:
         list(stub.GenerateSession(bad, timeout=30))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n=" in err.value.details()
+
+
+def test_session_chunks_and_restrictions() -> None:
+    import asyncio
+
+    from frontend_service.sessions import SessionChunk, as_session_chunks, check_session_params
+    from tandem.protocol.sampling_params import RequestOutputKind
+
+    async def inputs():  # type: ignore[no-untyped-def]
+        yield "some text"
+        yield [5, 6, 7]
+        yield SessionChunk(prompt="more", sampling_params=SamplingParams(max_tokens=3))
+
+    async def collect() -> list[SessionChunk]:
+        return [c async for c in as_session_chunks(inputs(), SamplingParams(max_tokens=9))]
+
+    chunks = asyncio.run(collect())
+    assert [c.prompt for c in chunks] == ["some text", None, "more"]
+    assert chunks[1].prompt_token_ids == [5, 6, 7]
+    assert [c.sampling_params.max_tokens if c.sampling_params else None for c in chunks] == [9, None, 3]
+    for params, field in [
+        (SamplingParams(n=2), "n"),
+        (SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY), "output_kind"),
+        (SamplingParams(stop=["x"]), "stop"),
+    ]:
+        with pytest.raises(InvalidRequestError) as err:
+            check_session_params(params)
+        assert err.value.field == field
