@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import time
 from typing import Any
@@ -18,7 +17,7 @@ from engine_service.admission import (
 )
 from engine_service.attention import AttentionMetadata
 from engine_service.config import ConfigError, EngineConfig
-from engine_service.cpu import keep_freed_memory_mapped, release_free_memory
+from engine_service.cpu import keep_freed_memory_mapped
 from engine_service.kv_cache.manager import KVCacheManager
 from engine_service.lora import LoRAManager
 from engine_service.model_runner import (
@@ -32,6 +31,8 @@ from engine_service.models.loader import load_model
 from engine_service.profiler import Profiler
 from engine_service.request import Request
 from engine_service.scheduler import Scheduler, SchedulerOutput
+from engine_service.sessions import Sessions
+from engine_service.sleep_mode import SleepMode
 from engine_service.structured_output import StructuredOutputManager
 from kernels.dispatch import get_ops
 from tandem.protocol.lora import LoRARequest
@@ -53,11 +54,7 @@ logger = logging.getLogger(__name__)
 _COMPILE_POLL_S = 0.005
 
 
-class EngineBusyError(RuntimeError):
-    """An operation that needs an idle engine was asked of a busy one."""
-
-
-class EngineCore:
+class EngineCore(SleepMode, Sessions):
     """One engine: model, KV cache, scheduler. Not thread-safe: one thread drives it.
 
     ``EngineCoreLoop`` (core_loop.py) puts a thread and queues around it for services.
@@ -345,35 +342,6 @@ class EngineCore:
             raise InvalidRequestError(field, None, "LoRA is not enabled on this engine (start it with --enable-lora)")
         return self.lora
 
-    def _resume_session(self, req: EngineCoreRequest) -> None:
-        """The next turn of an idle streaming-input session: its new tokens appended."""
-        session = self.scheduler.sessions[req.request_id]
-        total = session.num_tokens + len(req.prompt_token_ids)
-        if not req.prompt_token_ids:
-            raise InvalidRequestError("prompt_token_ids", [], "a session turn needs new tokens")
-        if total >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt_token_ids", f"<{len(req.prompt_token_ids)} tokens>",
-                f"the session's {total} tokens leave no room to generate within max_model_len={self.max_model_len}",
-            )
-        vocab = self.model_config.vocab_size
-        bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError("prompt_token_ids", bad[0], f"token id outside the vocabulary [0, {vocab})")
-        self._check_session(req)
-        req.sampling_params.validate(vocab, self.config.max_logprobs)
-        self.scheduler.resume(req.request_id, list(req.prompt_token_ids), req.sampling_params)
-
-    def _check_session(self, req: EngineCoreRequest) -> None:
-        params = req.sampling_params
-        for field, bad in (
-            ("pooling_params", req.pooling_params is not None),
-            ("sampling_params.prompt_logprobs", params.prompt_logprobs is not None),
-            ("sampling_params.structured_outputs", params.structured_outputs is not None),
-        ):
-            if bad:
-                raise InvalidRequestError(field, "set", "not supported in a streaming-input session")
-
     def abort_requests(self, request_ids: list[str]) -> None:
         """Abort requests in any state; their blocks are free on return."""
         self._aborted.extend(self.scheduler.finish_requests(list(request_ids), FinishReason.ABORT))
@@ -383,59 +351,6 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> int:
         return self.kv_manager.reset_prefix_cache()
-
-    # ---- sleep mode (vLLM's sleep / wake_up / is_sleeping) ------------------------------
-
-    def sleep(self, level: int = 1) -> None:
-        """Give back memory while idle. Level 1: the KV cache (and, on CUDA, the weights
-        move to host memory); level 2: the weights too (reloaded from the checkpoint on
-        wake). The prefix cache is dropped. Requests that arrive while asleep are refused
-        with UNAVAILABLE. Raises EngineBusyError while requests are unfinished."""
-        if isinstance(level, bool) or level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level!r}")
-        if self.has_unfinished_requests():
-            raise EngineBusyError(
-                f"cannot sleep with {self.scheduler.num_unfinished} unfinished requests: "
-                "let them finish (pause the frontend first) or abort them"
-            )
-        if level == 2 and self.lora is not None:
-            raise ValueError("sleep level 2 (weights reloaded on wake) is not supported with --enable-lora; use level 1")
-        if level <= self.sleep_level:
-            return
-        self.kv_manager.reset_prefix_cache()
-        self.runner.kv_caches = []
-        if level == 2:
-            self.model = self.runner.model = None  # type: ignore[assignment]
-        elif self.config.torch_device.type == "cuda":
-            self.model.to("cpu")
-        self.sleep_level = level
-        gc.collect()
-        if self.config.torch_device.type == "cuda":
-            torch.cuda.empty_cache()
-        else:
-            release_free_memory()
-        logger.info("engine %d asleep at level %d", self.engine_index, level)
-
-    def wake_up(self) -> None:
-        """Undo ``sleep``: weights back (reloaded at level 2), a fresh KV cache."""
-        if not self.sleep_level:
-            return
-        if self.sleep_level == 2:
-            self.model, _ = self._load_model()
-            self.runner.model = self.model
-        elif self.config.torch_device.type == "cuda":
-            self.model.to(self.config.torch_device)
-        self.runner.kv_caches = self._allocate_kv_caches()
-        self.sleep_level = 0
-        logger.info("engine %d awake", self.engine_index)
-
-    def is_sleeping(self) -> bool:
-        return self.sleep_level > 0
-
-    @property
-    def kv_cache_bytes(self) -> int:
-        """Bytes the KV cache tensors hold now (0 while asleep)."""
-        return sum(k.nbytes + v.nbytes for k, v in self.runner.kv_caches)
 
     # ---- the step ---------------------------------------------------------------------
 

@@ -17,7 +17,8 @@ import pytest
 
 from engine_service.admission import RequestRejected
 from engine_service.config import EngineConfig
-from engine_service.core import EngineBusyError, EngineCore
+from engine_service.core import EngineCore
+from engine_service.sleep_mode import EngineBusyError
 from frontend_service import LLM, SamplingParams
 from tandem.protocol.outputs import EngineCoreRequest, ErrorCode
 from tandem.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
