@@ -142,8 +142,8 @@ def embed_inputs_from_proto(msg: frontend_pb2.EmbedRequest) -> list[dict[str, An
     return out
 
 
-def session_chunk_from_proto(msg: frontend_pb2.SessionInput) -> SessionChunk:
-    """A SessionInput as the AsyncLLM's SessionChunk (sampling params only if set)."""
+def session_chunk_from_proto(msg: frontend_pb2.GenerateSessionRequest) -> SessionChunk:
+    """A GenerateSessionRequest as the AsyncLLM's SessionChunk (sampling params only if set)."""
     kind = msg.WhichOneof("input")
     if kind is None:
         raise InvalidRequestError("input", None, "set prompt or prompt_token_ids")

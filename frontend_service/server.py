@@ -141,8 +141,8 @@ class GenerationServicer(frontend_pb2_grpc.GenerationServicer):
             await abort_with(context, exc)
 
     async def GenerateSession(
-        self, request_iterator: AsyncIterator[frontend_pb2.SessionInput], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[frontend_pb2.GenerateResponse]:
+        self, request_iterator: AsyncIterator[frontend_pb2.GenerateSessionRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[frontend_pb2.GenerateSessionResponse]:
         await self._require_ready(context)
         await self._refuse_while_draining(context)
         inputs = request_iterator.__aiter__()
@@ -150,7 +150,7 @@ class GenerationServicer(frontend_pb2_grpc.GenerationServicer):
             first_msg = await anext(inputs, None)
             if first_msg is None:
                 return
-            turn = {"params": SamplingParams(output_kind=RequestOutputKind.DELTA), "first": True}
+            turn = {"params": SamplingParams(output_kind=RequestOutputKind.DELTA), "first": True, "index": -1}
 
             async def chunks() -> AsyncIterator[Any]:
                 msg = first_msg
@@ -158,6 +158,7 @@ class GenerationServicer(frontend_pb2_grpc.GenerationServicer):
                     chunk = api.session_chunk_from_proto(msg)
                     turn["params"] = chunk.sampling_params or turn["params"]
                     turn["first"] = True
+                    turn["index"] += 1
                     yield chunk
                     msg = await anext(inputs, None)
 
@@ -167,7 +168,8 @@ class GenerationServicer(frontend_pb2_grpc.GenerationServicer):
                 timeout_s=context.time_remaining(),
             )
             async for out in outputs:
-                yield api.response_to_proto(out, turn["params"], turn["first"])
+                response = api.response_to_proto(out, turn["params"], turn["first"])
+                yield frontend_pb2.GenerateSessionResponse(response=response, turn=turn["index"])
                 turn["first"] = False
         except asyncio.CancelledError:
             raise

@@ -119,14 +119,16 @@ def test_generate_session_over_grpc(e2e_stack, rng: random.Random) -> None:  # t
         while (item := feed.get()) is not None:
             yield item
 
-    feed.put(frontend_pb2.SessionInput(prompt_token_ids=frontend_pb2.TokenIds(token_ids=chunks[0]),
+    feed.put(frontend_pb2.GenerateSessionRequest(prompt_token_ids=frontend_pb2.TokenIds(token_ids=chunks[0]),
                                        sampling_params=sp, request_id="sess-1"))
     responses = stub.GenerateSession(inputs(), timeout=60)
     history: list[int] = []
     for turn, chunk in enumerate(chunks):
         tokens: list[int] = []
         cached = 0
-        for response in responses:
+        for message in responses:
+            assert message.turn == turn
+            response = message.response
             assert response.request_id == "sess-1"
             tokens += [t for o in response.outputs for t in o.token_ids]
             cached = max(cached, response.usage.cached_tokens)
@@ -139,7 +141,7 @@ def test_generate_session_over_grpc(e2e_stack, rng: random.Random) -> None:  # t
         if turn:  # the history before this chunk was not computed again
             assert cached == len(history) - len(chunk) - 1
         history += tokens
-        feed.put(frontend_pb2.SessionInput(prompt_token_ids=frontend_pb2.TokenIds(token_ids=chunks[turn + 1]))
+        feed.put(frontend_pb2.GenerateSessionRequest(prompt_token_ids=frontend_pb2.TokenIds(token_ids=chunks[turn + 1]))
                  if turn + 1 < len(chunks) else None)
     assert list(responses) == []  # the session ends with the client's stream
     e2e_stack.wait_engines_idle()  # and its blocks are free
@@ -147,14 +149,14 @@ def test_generate_session_over_grpc(e2e_stack, rng: random.Random) -> None:  # t
     # Cancelled mid-turn: every block comes back.
     feed = queue.Queue()
     long_sp = common_pb2.SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
-    feed.put(frontend_pb2.SessionInput(prompt="a long story", sampling_params=long_sp))
+    feed.put(frontend_pb2.GenerateSessionRequest(prompt="a long story", sampling_params=long_sp))
     call = stub.GenerateSession(inputs(), timeout=60)
     next(call)
     call.cancel()
     feed.put(None)
     e2e_stack.wait_engines_idle()
 
-    bad = iter([frontend_pb2.SessionInput(prompt="x", sampling_params=common_pb2.SamplingParams(n=2))])
+    bad = iter([frontend_pb2.GenerateSessionRequest(prompt="x", sampling_params=common_pb2.SamplingParams(n=2))])
     with pytest.raises(grpc.RpcError) as err:
         list(stub.GenerateSession(bad, timeout=30))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n=" in err.value.details()

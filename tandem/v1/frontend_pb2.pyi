@@ -450,7 +450,7 @@ class PinLoraResponse(_message.Message):
     pinned: bool
     def __init__(self, pinned: _Optional[bool] = ...) -> None: ...
 
-class SessionInput(_message.Message):
+class GenerateSessionRequest(_message.Message):
     __slots__ = ("prompt", "prompt_token_ids", "sampling_params", "request_id", "add_special_tokens")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -463,3 +463,11 @@ class SessionInput(_message.Message):
     request_id: str
     add_special_tokens: bool
     def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
+
+class GenerateSessionResponse(_message.Message):
+    __slots__ = ("response", "turn")
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    TURN_FIELD_NUMBER: _ClassVar[int]
+    response: GenerateResponse
+    turn: int
+    def __init__(self, response: _Optional[_Union[GenerateResponse, _Mapping]] = ..., turn: _Optional[int] = ...) -> None: ...

@@ -48,8 +48,8 @@ class GenerationStub:
                 _registered_method=True)
         self.GenerateSession = channel.stream_stream(
                 '/tandem.v1.Generation/GenerateSession',
-                request_serializer=tandem_dot_v1_dot_frontend__pb2.SessionInput.SerializeToString,
-                response_deserializer=tandem_dot_v1_dot_frontend__pb2.GenerateResponse.FromString,
+                request_serializer=tandem_dot_v1_dot_frontend__pb2.GenerateSessionRequest.SerializeToString,
+                response_deserializer=tandem_dot_v1_dot_frontend__pb2.GenerateSessionResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/tandem.v1.Generation/Abort',
@@ -116,8 +116,8 @@ class GenerationServicer:
 
     def GenerateSession(self, request_iterator, context):
         """A streaming-input session: the client sends its prompt in chunks, and after
-        each chunk the server streams a continuation (GenerateResponses; the last of
-        each turn has finished set). Turn k's prompt is every earlier chunk and
+        each chunk the server streams a continuation (each message's response is a
+        GenerateResponse; the last of each turn has finished set). Turn k's prompt is every earlier chunk and
         continuation plus chunk k; the engine keeps the session's KV cache between
         turns and computes only the new tokens. Closing the client's stream ends the
         session (after the turn in progress); cancelling frees it at once.
@@ -198,8 +198,8 @@ def add_GenerationServicer_to_server(servicer, server):
             ),
             'GenerateSession': grpc.stream_stream_rpc_method_handler(
                     servicer.GenerateSession,
-                    request_deserializer=tandem_dot_v1_dot_frontend__pb2.SessionInput.FromString,
-                    response_serializer=tandem_dot_v1_dot_frontend__pb2.GenerateResponse.SerializeToString,
+                    request_deserializer=tandem_dot_v1_dot_frontend__pb2.GenerateSessionRequest.FromString,
+                    response_serializer=tandem_dot_v1_dot_frontend__pb2.GenerateSessionResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -318,8 +318,8 @@ class Generation:
             request_iterator,
             target,
             '/tandem.v1.Generation/GenerateSession',
-            tandem_dot_v1_dot_frontend__pb2.SessionInput.SerializeToString,
-            tandem_dot_v1_dot_frontend__pb2.GenerateResponse.FromString,
+            tandem_dot_v1_dot_frontend__pb2.GenerateSessionRequest.SerializeToString,
+            tandem_dot_v1_dot_frontend__pb2.GenerateSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,
