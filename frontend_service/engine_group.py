@@ -348,6 +348,16 @@ class EngineGroup:
             if e.alive and not e.draining and e.address in self._admitted and e.address not in self._retiring
         ]
 
+    async def call_utility(self, method: str, *args: object, serving_only: bool = False) -> list[object]:
+        """Engine utility ``method`` on every connected member (only the placeable ones
+        with ``serving_only``), concurrently; results in engine index order."""
+        engines = self.placeable() if serving_only else [e for e in self.engines if e.alive]
+        if not engines:
+            raise EngineUnavailableError(
+                "no engine is serving" if serving_only else f"no engine is connected to call {method!r} on"
+            )
+        return list(await asyncio.gather(*(e.call_utility(method, *args) for e in engines)))
+
     @property
     def any_alive(self) -> bool:
         """Whether some engine can take a new request."""

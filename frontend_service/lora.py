@@ -9,11 +9,8 @@ list them. An engine that joins later does not get adapters added before it join
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from typing import Any
 
-from frontend_service.engine_client import EngineUnavailableError
 from frontend_service.engine_group import EngineGroup
 from tandem.protocol.lora import LoRARequest
 from tandem.protocol.sampling_params import InvalidRequestError
@@ -25,12 +22,6 @@ class LoraRegistry:
     def __init__(self, engines: EngineGroup) -> None:
         self.engines = engines
         self.by_name: dict[str, LoRARequest] = {}  # adapters the frontend knows, by name
-
-    async def _fan_out(self, method: str, *args: Any) -> list[Any]:
-        engines = self.engines.placeable()
-        if not engines:
-            raise EngineUnavailableError("no engine is serving")
-        return list(await asyncio.gather(*(e.call_utility(method, *args) for e in engines)))
 
     async def refresh(self) -> None:
         """Learn the adapters the engines already hold (their ``--lora-modules``)."""
@@ -48,19 +39,19 @@ class LoraRegistry:
         lora_request.validate()
         if lora_request.lora_int_id == 0:
             raise InvalidRequestError("lora_request.lora_int_id", 0, "must be > 0 to add an adapter")
-        added = any(await self._fan_out("add_lora", lora_request))
+        added = any(await self.engines.call_utility("add_lora", lora_request, serving_only=True))
         self.by_name[lora_request.lora_name] = lora_request
         return added
 
     async def remove_lora(self, lora_id: int) -> bool:
-        removed = any(await self._fan_out("remove_lora", int(lora_id)))
+        removed = any(await self.engines.call_utility("remove_lora", int(lora_id), serving_only=True))
         for name, req in list(self.by_name.items()):
             if req.lora_int_id == lora_id:
                 del self.by_name[name]
         return removed
 
     async def list_loras(self) -> set[int]:
-        return {int(i) for ids in await self._fan_out("list_loras") for i in ids}
+        return {int(i) for ids in await self.engines.call_utility("list_loras", serving_only=True) for i in ids}
 
     async def pin_lora(self, lora_id: int) -> bool:
-        return all(await self._fan_out("pin_lora", int(lora_id)))
+        return all(await self.engines.call_utility("pin_lora", int(lora_id), serving_only=True))

@@ -3,7 +3,7 @@ is_sleeping, start_profile / stop_profile, reset_prefix_cache, collective_rpc,
 get_supported_tasks, check_health, wait_for_requests_to_drain.
 
 Each call goes to every engine of the group that is connected, as a utility call on its
-stream (``EngineConnection.call_utility``), concurrently; an engine that fails the call
+stream (``EngineGroup.call_utility``), concurrently; an engine that fails the call
 fails it here (UtilityCallError, or EngineUnavailableError when none is connected).
 """
 
@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 from frontend_service.engine_client import EngineUnavailableError
 
 if TYPE_CHECKING:
-    from frontend_service.engine_client import EngineConnection
     from frontend_service.engine_group import EngineGroup
 
 
@@ -24,13 +23,6 @@ class EngineUtilities:
 
     engines: EngineGroup
 
-    async def _call_all(self, method: str, *args: Any) -> list[Any]:
-        """``method`` on every connected engine, results in engine index order."""
-        engines: list[EngineConnection] = [e for e in self.engines.engines if e.alive]
-        if not engines:
-            raise EngineUnavailableError(f"no engine is connected to call {method!r} on")
-        return list(await asyncio.gather(*(e.call_utility(method, *args) for e in engines)))
-
     async def sleep(self, level: int = 1) -> None:
         """New requests wait (generation is paused), the ones in flight finish, then every
         engine sleeps: level 1 gives back the KV cache, level 2 the weights too."""
@@ -38,43 +30,43 @@ class EngineUtilities:
 
         await self.pause(PauseMode.WAIT)  # type: ignore[attr-defined]
         try:
-            await self._call_all("sleep", level)
+            await self.engines.call_utility("sleep", level)
         except BaseException:
             self.resume()  # type: ignore[attr-defined]
             raise
 
     async def wake_up(self) -> None:
         """Every engine wakes (weights and KV cache back), then waiting requests run."""
-        await self._call_all("wake_up")
+        await self.engines.call_utility("wake_up")
         self.resume()  # type: ignore[attr-defined]
 
     async def is_sleeping(self) -> bool:
         """Whether any engine is asleep."""
-        return any(await self._call_all("is_sleeping"))
+        return any(await self.engines.call_utility("is_sleeping"))
 
     async def reset_prefix_cache(self) -> int:
         """Drop every engine's cached prefixes (blocks a running request uses stay);
         returns how many blocks were dropped in all."""
-        return sum(int(n) for n in await self._call_all("reset_prefix_cache"))
+        return sum(int(n) for n in await self.engines.call_utility("reset_prefix_cache"))
 
     async def start_profile(self) -> None:
-        await self._call_all("start_profile")
+        await self.engines.call_utility("start_profile")
 
     async def stop_profile(self) -> list[str]:
         """The trace file each engine wrote (on the engine's host)."""
-        return [str(p) for p in await self._call_all("stop_profile")]
+        return [str(p) for p in await self.engines.call_utility("stop_profile")]
 
     async def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
         """``method`` (an allow-listed engine method) on every worker of every engine:
         one result per worker, engines in index order."""
         results = []
-        for per_engine in await self._call_all("collective_rpc", method, *args):
+        for per_engine in await self.engines.call_utility("collective_rpc", method, *args):
             results.extend(per_engine)
         return results
 
     async def get_supported_tasks(self) -> tuple[str, ...]:
         """The tasks every engine supports (e.g. "generate")."""
-        per_engine = [set(tasks) for tasks in await self._call_all("get_supported_tasks")]
+        per_engine = [set(tasks) for tasks in await self.engines.call_utility("get_supported_tasks")]
         return tuple(sorted(set.intersection(*per_engine)))
 
     async def check_health(self) -> None:
@@ -82,7 +74,7 @@ class EngineUtilities:
         dead = [e for e in self.engines.engines if not e.alive]
         if dead:
             raise EngineUnavailableError("; ".join(e.dead_reason or f"engine {e.index} is down" for e in dead))
-        await self._call_all("check_health")
+        await self.engines.call_utility("check_health")
 
     async def wait_for_requests_to_drain(self, drain_timeout: float = 300.0) -> None:
         """Wait until no request is unfinished, here and on every engine; TimeoutError
@@ -90,7 +82,7 @@ class EngineUtilities:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + drain_timeout
         while True:
-            if not self.num_unfinished and all(await self._call_all("is_idle")):  # type: ignore[attr-defined]
+            if not self.num_unfinished and all(await self.engines.call_utility("is_idle")):  # type: ignore[attr-defined]
                 return
             if loop.time() >= deadline:
                 raise TimeoutError(f"requests still unfinished after {drain_timeout:g}s")
