@@ -62,6 +62,13 @@ GENERATE_SPAN_NAME = "tandem.v1.Generation/Generate"
 _MOVABLE = (ErrorCode.RESOURCE_EXHAUSTED, ErrorCode.UNAVAILABLE)
 
 
+def request_ids(request_id: str | None) -> tuple[str, str]:
+    """(the caller's id, made up when None; the engine-side id). Engine-side ids stay
+    unique even if two clients pick the same request id."""
+    user_id = request_id or uuid.uuid4().hex
+    return user_id, f"{user_id}-{uuid.uuid4().hex[:8]}"
+
+
 class PauseMode(enum.Enum):
     ABORT = "abort"  # abort in-flight requests
     WAIT = "wait"  # let in-flight requests finish
@@ -218,6 +225,18 @@ class AsyncLLM(EngineUtilities, Pooling, Sessions):
             req.timeout_s = left
             engine.add_request(req)
 
+    def _track(self, internal_id: str, stream: _Stream) -> None:
+        """Route the engine outputs of ``stream``'s engine requests to it."""
+        self.streams[internal_id] = stream
+        for rid in stream.engine_request_ids:
+            self._owner[rid] = internal_id
+
+    def _untrack(self, internal_id: str, stream: _Stream) -> None:
+        self.streams.pop(internal_id, None)
+        for rid in stream.engine_request_ids:
+            self._owner.pop(rid, None)
+            self._moved.discard(rid)
+
     def _fail(self, internal_id: str, stream: _Stream, exc: BaseException) -> None:
         result = self.output_processor.abort_requests([internal_id])
         stream.engine.abort(result.reqs_to_abort or stream.engine_request_ids)
@@ -286,9 +305,7 @@ class AsyncLLM(EngineUtilities, Pooling, Sessions):
                 self.admission.acquire()
                 admitted = True
             await self._resumed.wait()
-            user_id = request_id or uuid.uuid4().hex
-            # Engine-side ids stay unique even if two clients pick the same request id.
-            internal_id = f"{user_id}-{uuid.uuid4().hex[:8]}"
+            user_id, internal_id = request_ids(request_id)
             processed = self.input_processor.process(
                 internal_id,
                 sampling_params,
@@ -313,9 +330,7 @@ class AsyncLLM(EngineUtilities, Pooling, Sessions):
                 deadline=None if timeout_s is None else arrival + timeout_s,
             )
             self.output_processor.add_processed(processed)
-            self.streams[internal_id] = stream
-            for rid in stream.engine_request_ids:
-                self._owner[rid] = internal_id
+            self._track(internal_id, stream)
             try:
                 self._send(stream, engine)
                 delta = processed.sampling_params.output_kind == RequestOutputKind.DELTA
@@ -337,10 +352,7 @@ class AsyncLLM(EngineUtilities, Pooling, Sessions):
                     if item.finished:
                         return
             finally:
-                self.streams.pop(internal_id, None)
-                for rid in stream.engine_request_ids:
-                    self._owner.pop(rid, None)
-                    self._moved.discard(rid)
+                self._untrack(internal_id, stream)
                 if not stream.finished:
                     # Cancelled, disconnected, failed or closed early: free the engine's blocks.
                     result = self.output_processor.abort_requests([internal_id])

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -59,7 +58,10 @@ class Pooling:
     ) -> AsyncIterator[PoolingRequestOutput]:
         """Yield the one output of a pooling request (its ``request_id`` is the caller's).
         Failures raise as in ``generate``."""
-        from frontend_service.async_llm import _Stream  # (async_llm imports this module)
+        from frontend_service.async_llm import (  # (async_llm imports this module)
+            _Stream,
+            request_ids,
+        )
 
         llm: Any = self
         arrival = time.monotonic()
@@ -69,8 +71,7 @@ class Pooling:
                 llm.admission.acquire()
                 admitted = True
             await llm._resumed.wait()
-            user_id = request_id or uuid.uuid4().hex
-            internal_id = f"{user_id}-{uuid.uuid4().hex[:8]}"
+            user_id, internal_id = request_ids(request_id)
             request = llm.input_processor.process_pooling(
                 internal_id, pooling_params, prompt=prompt, prompt_token_ids=prompt_token_ids,
                 priority=priority, client_index=llm.client_index, trace_headers=trace_headers,
@@ -81,8 +82,7 @@ class Pooling:
                 asyncio.Queue(), engine, [internal_id], requests=[request],
                 deadline=None if timeout_s is None else arrival + timeout_s,
             )
-            self.streams[internal_id] = stream
-            self._owner[internal_id] = internal_id
+            llm._track(internal_id, stream)
             self._num_pooling += 1
             try:
                 llm._send(stream, engine)
@@ -93,9 +93,7 @@ class Pooling:
                 yield item
             finally:
                 self._num_pooling -= 1
-                self.streams.pop(internal_id, None)
-                self._owner.pop(internal_id, None)
-                llm._moved.discard(internal_id)
+                llm._untrack(internal_id, stream)
                 if not stream.finished:
                     stream.engine.abort([internal_id])
         finally:

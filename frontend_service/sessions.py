@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -69,9 +68,6 @@ def check_session_params(params: SamplingParams) -> None:
 class Sessions:
     """Mixed into AsyncLLM (which provides the streams, engines and processors)."""
 
-    streams: dict[str, _Stream]
-    _owner: dict[str, str]
-
     async def generate_session(
         self,
         inputs: AsyncIterator[SessionChunk],
@@ -82,11 +78,13 @@ class Sessions:
         timeout_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield each turn's outputs (the last of a turn has ``finished`` set)."""
-        from frontend_service.async_llm import _Stream  # (async_llm imports this module)
+        from frontend_service.async_llm import (  # (async_llm imports this module)
+            _Stream,
+            request_ids,
+        )
 
         llm: Any = self
-        user_id = request_id or uuid.uuid4().hex
-        internal_id = f"{user_id}-{uuid.uuid4().hex[:8]}"
+        user_id, internal_id = request_ids(request_id)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         params = SamplingParams(output_kind=RequestOutputKind.DELTA)
         stream: _Stream | None = None
@@ -111,8 +109,7 @@ class Sessions:
                 if stream is None:
                     stream = _Stream(asyncio.Queue(), llm.engines.pick(request), [request.request_id],
                                      requests=[request], deadline=deadline)
-                    self.streams[internal_id] = stream
-                    self._owner[request.request_id] = internal_id
+                    llm._track(internal_id, stream)
                     stream.tried.append(stream.engine)
                 stream.finished = False
                 stream.requests = [request]
@@ -131,8 +128,7 @@ class Sessions:
                 turn += 1
         finally:
             if stream is not None:
-                self.streams.pop(internal_id, None)
-                self._owner.pop(stream.engine_request_ids[0], None)
+                llm._untrack(internal_id, stream)
                 llm.output_processor.abort_requests([internal_id])
                 stream.engine.abort(stream.engine_request_ids)  # ends the session: blocks freed
             if admitted:
