@@ -225,6 +225,18 @@ class AsyncLLM(EngineUtilities, Pooling, Sessions):
             req.timeout_s = left
             engine.add_request(req)
 
+    def _admit(self) -> bool:
+        """Take a place under the bound on requests in progress (RequestFailedError with
+        RESOURCE_EXHAUSTED when full); whether one was taken, for ``_leave``."""
+        if self.admission is None:
+            return False
+        self.admission.acquire()
+        return True
+
+    def _leave(self, admitted: bool) -> None:
+        if admitted and self.admission is not None:
+            self.admission.release()
+
     def _track(self, internal_id: str, stream: _Stream) -> None:
         """Route the engine outputs of ``stream``'s engine requests to it."""
         self.streams[internal_id] = stream
@@ -301,9 +313,7 @@ class AsyncLLM(EngineUtilities, Pooling, Sessions):
         processed: ProcessedRequest | None = None
         admitted = False
         try:
-            if self.admission is not None:
-                self.admission.acquire()
-                admitted = True
+            admitted = self._admit()
             await self._resumed.wait()
             user_id, internal_id = request_ids(request_id)
             processed = self.input_processor.process(
@@ -366,8 +376,7 @@ class AsyncLLM(EngineUtilities, Pooling, Sessions):
                 span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
             raise
         finally:
-            if admitted:
-                self.admission.release()  # type: ignore[union-attr]
+            self._leave(admitted)
             if self._observing:
                 self._finish_observing(processed, arrival, span, failure)
 

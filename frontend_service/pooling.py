@@ -67,9 +67,7 @@ class Pooling:
         arrival = time.monotonic()
         admitted = False
         try:
-            if llm.admission is not None:
-                llm.admission.acquire()
-                admitted = True
+            admitted = llm._admit()
             await llm._resumed.wait()
             user_id, internal_id = request_ids(request_id)
             request = llm.input_processor.process_pooling(
@@ -97,5 +95,4 @@ class Pooling:
                 if not stream.finished:
                     stream.engine.abort([internal_id])
         finally:
-            if admitted:
-                llm.admission.release()
+            llm._leave(admitted)

@@ -90,9 +90,7 @@ class Sessions:
         stream: _Stream | None = None
         admitted = False
         try:
-            if llm.admission is not None:
-                llm.admission.acquire()
-                admitted = True
+            admitted = llm._admit()
             turn = 0
             async for chunk in inputs:
                 await llm._resumed.wait()
@@ -131,5 +129,4 @@ class Sessions:
                 llm._untrack(internal_id, stream)
                 llm.output_processor.abort_requests([internal_id])
                 stream.engine.abort(stream.engine_request_ids)  # ends the session: blocks freed
-            if admitted:
-                llm.admission.release()
+            llm._leave(admitted)
