@@ -1,24 +1,26 @@
-"""LoRA on the fused projections: every adapter of a step in one shrink and S expands.
+"""LoRA on the fused projections: the step's tokens grouped by adapter, two batched matmuls.
 
 Each wrapped ``FusedLinear`` keeps its base weight and, for ``max_loras`` device slots,
-the adapters' low-rank factors stacked slot-major and zero-padded to ``max_lora_rank``
-(R). A module with S output slices (q/k/v: 3, gate/up: 2, o and down: 1) holds
+the adapters' low-rank factors zero-padded to ``max_lora_rank`` (R). A module with S
+output slices (q/k/v: 3, gate/up: 2, o and down: 1) holds
 
-- ``lora_a``  ``[max_loras * S * R, in_features]``: rows ``[(slot*S + s)*R, +r)`` are
-  slice s's A (``[r, in]``) of the adapter in ``slot``; the rest is zero;
-- ``lora_bt[s]`` ``[max_loras * R, out_s]`` per slice: rows ``[slot*R, +r)`` hold slice
-  s's ``(scale * B)^T`` (``[r, out_s]``) of the adapter in ``slot``; the rest is zero.
+- ``lora_a`` ``[max_loras, in_features, S * R]``: in ``slot``, columns ``[s*R, s*R + r)``
+  are slice s's ``A^T`` (``[in, r]``); the rest is zero;
+- ``lora_b`` ``[max_loras, S * R, out_features]``: in ``slot``, rows ``[s*R, s*R + r)`` x
+  slice s's output columns hold ``(scale * B_s)^T`` (``[r, out_s]``); block-diagonal, so
+  one expand writes every slice.
 
-For a step whose highest used slot is k - 1 and whose token t runs the adapter in slot
-``slot[t]`` (or none), ``LoRABatch.mask`` is the ``[T, k]`` one-hot of ``slot[t]`` and
+``LoRABatch`` (built once per step) lists the step's adapter tokens slot by slot, each
+slot's segment padded to the longest (m rows): ``rows [k * m]`` are token indices. Then
 
-    u = (x @ A[:k*S*R]^T) * mask                           # [T, k, S, R], mask over S*R
-    y[:, slice s] += u[:, :, s, :].reshape(T, k*R) @ Bt[s][:k*R]    for each slice s
+    u = bmm(x[rows].view(k, m, in), A[:k])        # [k, m, S*R]; padding rows zeroed
+    y.index_add_(0, rows, bmm(u, B[:k]).view(k * m, out))
 
 which is ``base(x) + scale_a * B_a (A_a x)`` for each token's adapter a, and ``base(x)``
-for tokens without one: one shrink, one mask and S expands per projection, whatever the
-number of adapters in the step (each expand only over its own output columns).
-A step without LoRA requests sets no batch, and the projections run ``base`` alone.
+for tokens without one: each token meets only its own adapter's factors (Punica's
+segmented matmul, padded to equal segments so two ``bmm`` calls do it). A step where
+every token runs one adapter takes two plain matmuls; a step without LoRA requests sets
+no batch, and the projections run ``base`` alone.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tandem.protocol.model_config import ModelConfig
@@ -34,10 +35,14 @@ from tandem.protocol.model_config import ModelConfig
 
 @dataclass
 class LoRABatch:
-    """One step's token -> slot map, built once per step by the LoRA manager."""
+    """One step's adapter tokens grouped by slot, built once per step by the LoRA manager."""
 
-    mask: torch.Tensor  # [num_tokens, num_slots] one-hot (activation dtype); zero row: no adapter
+    rows: torch.Tensor | None  # [k * m] int64: slot j's tokens at [j*m, (j+1)*m), then padding
+    # (row 0); None when ``single`` is set
+    pad: torch.Tensor | None  # [k, m, 1] 1.0 for a token, 0.0 for padding; None: no padding
     num_slots: int  # k: 1 + the highest slot a token of this step uses
+    seg_len: int  # m: tokens of the busiest slot
+    single: int | None  # the slot, when every token of the step runs that one adapter
     slots: frozenset[int]  # the slots used this step
 
 
@@ -67,33 +72,25 @@ class LoRALinear(nn.Module):
         self.slices = slices
         self.rank = max_rank
         self.state = state
-        rows = max_loras * len(slices) * max_rank
-        self.lora_a = torch.zeros(rows, in_features, dtype=dtype, device=device)
-        self.lora_bt = [
-            torch.zeros(max_loras * max_rank, n, dtype=dtype, device=device) for _, n in slices
-        ]
+        width, out_features = len(slices) * max_rank, sum(n for _, n in slices)
+        self.lora_a = torch.zeros(max_loras, in_features, width, dtype=dtype, device=device)
+        self.lora_b = torch.zeros(max_loras, width, out_features, dtype=dtype, device=device)
         self.loaded: list[bool] = [False] * max_loras  # slot -> holds weights for this module
-
-    def _rows(self, slot: int, index: int) -> slice:
-        start = (slot * len(self.slices) + index) * self.rank
-        return slice(start, start + self.rank)
 
     def set_slot(self, slot: int, factors: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Write ``{slice index: (A [r, in], scaled B [out_slice, r])}`` into ``slot``; slices
         not given get zeros."""
         self.clear_slot(slot)
         for index, (a, b) in factors.items():
-            rows = self._rows(slot, index)
-            r = a.shape[0]
-            self.lora_a[rows.start : rows.start + r].copy_(a)
-            self.lora_bt[index][slot * self.rank : slot * self.rank + r].copy_(b.t())
+            start, size = self.slices[index]
+            col, r = index * self.rank, a.shape[0]
+            self.lora_a[slot, :, col : col + r].copy_(a.t())
+            self.lora_b[slot, col : col + r, start : start + size].copy_(b.t())
         self.loaded[slot] = bool(factors)
 
     def clear_slot(self, slot: int) -> None:
-        n = len(self.slices) * self.rank
-        self.lora_a[slot * n : (slot + 1) * n].zero_()
-        for bt in self.lora_bt:
-            bt[slot * self.rank : (slot + 1) * self.rank].zero_()
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
         self.loaded[slot] = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
@@ -101,16 +98,15 @@ class LoRALinear(nn.Module):
         batch = self.state.batch
         if batch is None or not any(self.loaded[s] for s in batch.slots):
             return y
-        k, r, num_tokens = batch.num_slots, self.rank, x.shape[0]
-        num_slices = len(self.slices)
-        shrunk = F.linear(x, self.lora_a[: k * num_slices * r])  # [T, k * S * R]
-        shrunk = shrunk.view(num_tokens, k, num_slices, r).mul_(batch.mask[:, :, None, None])
-        if num_slices == 1:
-            return y.addmm_(shrunk.view(num_tokens, k * r), self.lora_bt[0][: k * r])
-        for index, (start, size) in enumerate(self.slices):
-            part = shrunk[:, :, index].reshape(num_tokens, k * r)  # [T, k*R], a small copy
-            y[:, start : start + size].addmm_(part, self.lora_bt[index][: k * r])
-        return y
+        if batch.single is not None:
+            return y.addmm_(x @ self.lora_a[batch.single], self.lora_b[batch.single])
+        k, m = batch.num_slots, batch.seg_len
+        assert batch.rows is not None  # set whenever single is None
+        grouped = x.index_select(0, batch.rows).view(k, m, x.shape[1])
+        shrunk = torch.bmm(grouped, self.lora_a[:k])  # [k, m, S*R]
+        if batch.pad is not None:
+            shrunk.mul_(batch.pad)
+        return y.index_add_(0, batch.rows, torch.bmm(shrunk, self.lora_b[:k]).view(k * m, -1))
 
 
 # Our fused module under a layer -> (in_features, output slices) for ``config``.

@@ -179,17 +179,31 @@ class LoRAManager:
         if max(slots, default=-1) < 0:
             self.state.batch = None
             return
-        k = max(slots) + 1
-        mask = np.zeros((sum(num_tokens), k), dtype=np.float32)
+        num_rows = sum(num_tokens)
+        segments: dict[int, list[int]] = {}  # slot -> its token rows, in batch order
         row = 0
         for slot, n in zip(slots, num_tokens, strict=True):
             if slot >= 0:
-                mask[row : row + n, slot] = 1.0
+                segments.setdefault(slot, []).extend(range(row, row + n))
             row += n
+        used = frozenset(segments)
+        if len(used) == 1 and len(segments[next(iter(used))]) == num_rows:
+            self.state.batch = LoRABatch(None, None, 1, num_rows, next(iter(used)), used)
+            return
+        k = max(used) + 1
+        m = max(len(r) for r in segments.values())
+        rows = np.zeros((k, m), dtype=np.int64)
+        pad = np.zeros((k, m, 1), dtype=np.float32)
+        for slot, token_rows in segments.items():
+            rows[slot, : len(token_rows)] = token_rows
+            pad[slot, : len(token_rows)] = 1.0
         self.state.batch = LoRABatch(
-            torch.from_numpy(mask).to(device=self.device, dtype=self.dtype),
-            k,
-            frozenset(s for s in slots if s >= 0),
+            rows=torch.from_numpy(rows.reshape(-1)).to(self.device),
+            pad=None if pad.all() else torch.from_numpy(pad).to(device=self.device, dtype=self.dtype),
+            num_slots=k,
+            seg_len=m,
+            single=None,
+            slots=used,
         )
 
     def end_step(self) -> None:
