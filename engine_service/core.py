@@ -259,6 +259,8 @@ class EngineCore(SleepMode, Sessions):
             raise InvalidRequestError(
                 f"prompt_token_ids[{index}]", bad, f"token id outside the vocabulary [0, {vocab})"
             )
+        if req.generated_token_ids:
+            self._check_continuation(req)
         if req.resumable:
             self._check_session(req)
         if req.pooling_params is not None:
@@ -272,6 +274,31 @@ class EngineCore(SleepMode, Sessions):
                     "LoRA is not enabled on this engine (start it with --enable-lora)",
                 )
             req.lora_request.validate()
+
+    def _check_continuation(self, req: EngineCoreRequest) -> None:
+        """A migrated request's output so far must fit and leave something to generate."""
+        generated, params = req.generated_token_ids, req.sampling_params
+        field = "generated_token_ids"
+        if req.pooling_params is not None or req.resumable or params.prompt_logprobs is not None:
+            raise InvalidRequestError(
+                field, f"<{len(generated)} tokens>", "a continuation takes no pooling, session or prompt logprobs"
+            )
+        total = len(req.prompt_token_ids) + len(generated)
+        if total >= self.max_model_len:
+            raise InvalidRequestError(
+                field, f"<{len(generated)} tokens>",
+                f"prompt and generated tokens ({total}) leave no room within max_model_len={self.max_model_len}",
+            )
+        if params.max_tokens is not None and len(generated) >= params.max_tokens:
+            raise InvalidRequestError(
+                field, f"<{len(generated)} tokens>", f"already max_tokens={params.max_tokens} tokens: nothing left"
+            )
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in generated if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"{field}[{generated.index(bad)}]", bad, f"token id outside the vocabulary [0, {vocab})"
+            )
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a request, however long the queue (the in-process LLM, benchmarks).

@@ -167,7 +167,7 @@ class ModelRunner:
             [r.sampling_params for r in requests],
             [r.prompt_token_ids for r in requests],
             [r.output_token_ids for r in requests],
-            [r.generator for r in requests],
+            [r.sampling_params.seed for r in requests],
             [r.eos_token_id for r in requests],
             self.model_config.vocab_size,
             logits.device,
@@ -289,9 +289,10 @@ def profile_num_gpu_blocks(
 
 
 def _sampler_for(config: EngineConfig) -> Sampler:
-    """Where the native CPU kernels are in use, greedy rows take their argmax too."""
+    """Where the native CPU kernels are in use, the sampler takes their argmax and
+    seeded uniforms too."""
     if config.resolved_attention_backend == "cpu":
         from kernels import cpu_ops
 
-        return Sampler(argmax=cpu_ops.argmax)
+        return Sampler(argmax=cpu_ops.argmax, seeded_uniform=cpu_ops.seeded_uniform)
     return Sampler()

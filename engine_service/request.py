@@ -122,7 +122,10 @@ class Request:
         pooling_params: PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
         resumable: bool = False,
+        generated_token_ids: list[int] | None = None,
     ) -> None:
+        """``generated_token_ids``: a continuation's output so far (request migration):
+        computed like a preempted request's, counted as output."""
         self.request_id = request_id
         self.resumable = resumable  # a streaming-input session: kept between turns
         self.prompt_token_ids = prompt_token_ids
@@ -142,9 +145,9 @@ class Request:
         self.deadline: float | None = None if timeout_s is None else self.times.arrival + timeout_s
 
         self.status = RequestStatus.WAITING
-        self.output_token_ids: list[int] = []
+        self.output_token_ids: list[int] = list(generated_token_ids or ())
         # prompt + output; appended to as tokens are sampled.
-        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.all_token_ids: list[int] = list(prompt_token_ids) + self.output_token_ids
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet
         self.num_preemptions = 0
@@ -153,10 +156,6 @@ class Request:
         self.error: RequestError | None = None  # with FinishReason.ERROR: the status to report
         # Chained hashes of the request's full blocks, extended as tokens arrive.
         self.block_hashes: list[int] = []
-        self.generator: torch.Generator | None = None
-        if sampling_params.seed is not None:
-            self.generator = torch.Generator()
-            self.generator.manual_seed(sampling_params.seed)
         # Prompt logprobs are emitted once, on the step that completes the prefill.
         self.prompt_logprobs_pending = sampling_params.prompt_logprobs is not None
         # Prompt logprobs of the prefill chunks computed so far (sampler LogprobsTensors).
@@ -178,10 +177,6 @@ class Request:
         self.all_token_ids = list(self.prompt_token_ids)
         self.output_token_ids = []
         self.sampling_params = params
-        self.generator = None
-        if params.seed is not None:
-            self.generator = torch.Generator()
-            self.generator.manual_seed(params.seed)
         self.status = RequestStatus.WAITING
         self.finish_reason = self.stop_reason = self.error = None
         # Reported as cached: what carries over (-1, "not yet": an evicted session's
@@ -206,6 +201,7 @@ class Request:
             pooling_params=req.pooling_params,
             lora_request=req.lora_request,
             resumable=req.resumable,
+            generated_token_ids=req.generated_token_ids,
         )
 
     @property

@@ -7,8 +7,10 @@ Order of work (as vLLM v1):
 3. greedy rows take the argmax;
 4. random rows (as one sub-batch): temperature, min-p, top-k, then top-p on what is
    left, then the exponential race (argmax of probs / q with q ~ Exp(1)). Seeded rows
-   draw q from their own generator, so a seeded request gets the same tokens whatever
-   batch it runs in; greedy rows draw nothing.
+   draw q from a counter-based stream keyed by (seed, output position) (see
+   ``kernels.reference.seeded_uniform``), so a seeded request gets the same tokens
+   whatever batch or engine it runs in, and after preemption or migration; greedy rows
+   draw nothing.
 
 Every step is skipped when no row of the batch needs it: the common batch (plain
 temperature sampling, no penalties) costs a softmax, one [R, V] uniform draw, a log and
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.reference import seeded_uniform as reference_seeded_uniform
 from tandem.protocol.outputs import Logprobs
 from tandem.protocol.sampling_params import SamplingParams
 
@@ -34,7 +37,7 @@ class SamplingMetadata:
     """Per-step sampling inputs for B rows (one row per request being sampled this step).
 
     Invariants: every tensor is [B] on the logits' device; optional tensors are None when
-    no row uses the feature; ``generators`` holds only rows sampled randomly.
+    no row uses the feature; ``seeds`` holds only rows sampled randomly.
     """
 
     temperature: torch.Tensor  # [B] float32; 0 = greedy row
@@ -43,7 +46,7 @@ class SamplingMetadata:
     top_p: torch.Tensor | None  # [B] float32 in (0, 1]; 1 = disabled
     top_k: torch.Tensor | None  # [B] int64 in [1, V]; V = disabled
     min_p: torch.Tensor | None  # [B] float32 in [0, 1]; 0 = disabled
-    generators: dict[int, torch.Generator]  # row -> the request's seeded CPU generator
+    seeds: dict[int, tuple[int, int]]  # random row -> (its seed, output position sampled)
     max_num_logprobs: int | None  # largest `logprobs` asked in the batch; None: none asked
     presence_penalties: torch.Tensor | None  # [B] float32; 0 = disabled
     frequency_penalties: torch.Tensor | None  # [B] float32; 0 = disabled
@@ -69,9 +72,9 @@ class SamplingMetadata:
         ):
             if len(getattr(self, name)) != num_rows:
                 raise ValueError(f"{name} has {len(getattr(self, name))} rows, expected {num_rows}")
-        for row in self.generators:
+        for row in self.seeds:
             if not 0 <= row < num_rows:
-                raise ValueError(f"generator for row {row} outside the batch of {num_rows}")
+                raise ValueError(f"seed for row {row} outside the batch of {num_rows}")
         if self.max_num_logprobs is not None and self.max_num_logprobs < 0:
             raise ValueError(f"max_num_logprobs must be >= 0, got {self.max_num_logprobs}")
 
@@ -93,20 +96,21 @@ class SamplingMetadata:
         params: list[SamplingParams],
         prompt_token_ids: list[list[int]],
         output_token_ids: list[list[int]],
-        generators: list[torch.Generator | None],
+        seeds: list[int | None],
         eos_token_ids: list[int | None],
         vocab_size: int,
         device: torch.device | str,
     ) -> SamplingMetadata:
         """Build one step's metadata; row i is request i of every list.
 
-        A row with top_k = 1 is made greedy: same token, no random draw.
+        A row with top_k = 1 is made greedy: same token, no random draw. A seeded row
+        samples its output position ``len(output_token_ids[row])``.
         """
         num_rows = len(params)
         for name, values in (
             ("prompt_token_ids", prompt_token_ids),
             ("output_token_ids", output_token_ids),
-            ("generators", generators),
+            ("seeds", seeds),
             ("eos_token_ids", eos_token_ids),
         ):
             if len(values) != num_rows:
@@ -118,7 +122,7 @@ class SamplingMetadata:
         top_p: list[float] = []
         top_k: list[int] = []
         min_p: list[float] = []
-        seeded: dict[int, torch.Generator] = {}
+        seeded: dict[int, tuple[int, int]] = {}
         min_tokens_block: list[set[int] | None] = []
         for row, p in enumerate(params):
             k = p.top_k if p.top_k_enabled and p.top_k is not None else vocab_size
@@ -129,9 +133,9 @@ class SamplingMetadata:
             top_p.append(1.0 if greedy else p.top_p)
             top_k.append(vocab_size if greedy else k)
             min_p.append(0.0 if greedy else p.min_p)
-            generator = generators[row]
-            if generator is not None and not greedy:
-                seeded[row] = generator
+            seed = seeds[row]
+            if seed is not None and not greedy:
+                seeded[row] = (seed, len(output_token_ids[row]))
             min_tokens_block.append(
                 _min_tokens_block(p, len(output_token_ids[row]), eos_token_ids[row])
             )
@@ -152,7 +156,7 @@ class SamplingMetadata:
             top_p=tensor_if(top_p, 1.0, torch.float32),
             top_k=tensor_if(top_k, vocab_size, torch.int64),
             min_p=tensor_if(min_p, 0.0, torch.float32),
-            generators=seeded,
+            seeds=seeded,
             max_num_logprobs=max(max_logprobs) if max_logprobs else None,
             presence_penalties=tensor_if([p.presence_penalty for p in params], 0.0, torch.float32),
             frequency_penalties=tensor_if(
@@ -464,23 +468,28 @@ def _top_k_top_p_sorted(
     return torch.empty_like(logits).scatter_(1, sorted_index, sorted_logits)
 
 
+SeededUniform = Callable[[Sequence[int], Sequence[int], int], torch.Tensor]
+
+
 def exponential_race(
     probs: torch.Tensor,  # [B, V], each row proportional to its probabilities
-    generators: dict[int, torch.Generator],
+    seeds: dict[int, tuple[int, int]],  # row -> (seed, output position)
+    seeded_uniform: SeededUniform = reference_seeded_uniform,
 ) -> torch.Tensor:  # [B] int64
     """Sample one token per row: argmax(probs / q) with q ~ Exp(1) i.i.d.
 
-    q = -log(u) with u ~ U(0, 1). Seeded rows draw their [V] u from their own
-    generator (one row's draw per step, whatever the batch); the rest from the
+    q = -log(u) with u ~ U(0, 1). Seeded rows take their [V] u from
+    ``seeded_uniform`` (a function of seed and position only); the rest from the
     default generator of probs' device.
     """
     num_rows, vocab_size = probs.shape
     u = torch.empty_like(probs)  # [B, V]
-    if len(generators) < num_rows:
+    if len(seeds) < num_rows:
         u.uniform_()
-    for row, generator in generators.items():
-        draw = torch.rand(vocab_size, generator=generator, device=generator.device)
-        u[row] = draw.to(device=probs.device, dtype=probs.dtype)
+    if seeds:
+        rows = list(seeds)
+        draws = seeded_uniform([seeds[r][0] for r in rows], [seeds[r][1] for r in rows], vocab_size)
+        u[rows] = draws.to(device=probs.device, dtype=probs.dtype)
     # u = 0 would make q infinite and could zero a whole row: keep q finite and > 0.
     q = u.clamp_(min=torch.finfo(u.dtype).tiny).log_().neg_()  # [B, V] ~ Exp(1)
     return torch.div(probs, q, out=q).argmax(dim=-1)
@@ -493,12 +502,18 @@ def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:  # [B, V] -> [B]
 class Sampler:
     """Turns a step's logits into one token per row (plus logprobs when asked).
 
-    ``argmax``: picks greedy rows' tokens, ``[B, V] -> [B]`` first index of the max
-    (the CPU backend passes its native one).
+    ``argmax``: picks greedy rows' tokens, ``[B, V] -> [B]`` first index of the max;
+    ``seeded_uniform``: seeded rows' uniforms (``kernels.reference.seeded_uniform``'s
+    contract). The CPU backend passes its native ones.
     """
 
-    def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] = _torch_argmax) -> None:
+    def __init__(
+        self,
+        argmax: Callable[[torch.Tensor], torch.Tensor] = _torch_argmax,
+        seeded_uniform: SeededUniform = reference_seeded_uniform,
+    ) -> None:
         self.argmax = argmax
+        self.seeded_uniform = seeded_uniform
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits: [B, V] float32, row i is request i of ``metadata``."""
@@ -552,13 +567,12 @@ class Sampler:
             return self.argmax(logits)  # [B]
         if md.all_random:
             return _sample_random(
-                logits, md.temperature, md.min_p, md.top_k, md.top_p, md.generators
+                logits, md.temperature, md.min_p, md.top_k, md.top_p, md.seeds, self.seeded_uniform
             )
         sampled = self.argmax(logits)  # [B]
         rows = (md.temperature >= _SAMPLING_EPS).nonzero().flatten()  # [R]
         position = {row: i for i, row in enumerate(rows.tolist())}
-        # Generators of greedy rows are neither used nor advanced.
-        generators = {position[r]: g for r, g in md.generators.items() if r in position}
+        seeds = {position[r]: s for r, s in md.seeds.items() if r in position}
 
         def pick(values: torch.Tensor | None) -> torch.Tensor | None:
             return None if values is None else values[rows]
@@ -569,7 +583,8 @@ class Sampler:
             pick(md.min_p),
             pick(md.top_k),
             pick(md.top_p),
-            generators,
+            seeds,
+            self.seeded_uniform,
         )
         return sampled
 
@@ -580,10 +595,11 @@ def _sample_random(
     min_p: torch.Tensor | None,  # [R]
     top_k: torch.Tensor | None,  # [R]
     top_p: torch.Tensor | None,  # [R]
-    generators: dict[int, torch.Generator],  # keyed by row of this sub-batch
+    seeds: dict[int, tuple[int, int]],  # keyed by row of this sub-batch
+    seeded_uniform: SeededUniform,
 ) -> torch.Tensor:  # [R] int64
     scaled = logits / temperature[:, None]  # [R, V]
     if min_p is not None:
         scaled = apply_min_p(scaled, min_p)
     scaled = apply_top_k_top_p(scaled, top_k, top_p)
-    return exponential_race(scaled.softmax(dim=-1), generators)
+    return exponential_race(scaled.softmax(dim=-1), seeds, seeded_uniform)

@@ -29,7 +29,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -267,3 +267,10 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
         reference.apply_token_bitmask(logits, bitmask, rows)
         return
     torch.ops.tandem_cpu.apply_token_bitmask(logits, bitmask.contiguous(), rows.contiguous())
+
+
+def seeded_uniform(seeds: Sequence[int], positions: Sequence[int], vocab_size: int) -> torch.Tensor:
+    """``reference.seeded_uniform``, natively: [S, V] float32 CPU uniforms."""
+    out = torch.empty(len(seeds), vocab_size, dtype=torch.float32)
+    torch.ops.tandem_cpu.seeded_uniform(out, reference.seeded_offsets(seeds, positions, vocab_size))
+    return out

@@ -15,9 +15,12 @@ Layout conventions (shared by both backends):
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -293,3 +296,53 @@ def apply_token_bitmask(
     constrained = logits[rows]  # [K, V], a copy
     constrained.masked_fill_(~allowed, float("-inf"))
     logits[rows] = constrained
+
+
+# ---- seeded sampling's random numbers ----------------------------------------------------
+#
+# A seeded request's token at output position p is drawn with the uniforms
+#
+#     u[v] = U(splitmix64(seed, n = p * V + v))     for each vocabulary entry v < V
+#
+# where splitmix64(seed, n) is the n-th output of SplitMix64 started from ``seed`` (state
+# ``seed + (n + 1) * GAMMA`` mod 2^64, then its output mix). It is counter-based: any
+# element is computed directly, without drawing the ones before it, so the draw of a
+# position depends on (seed, p) only: not on the batch, on what the engine ran before, on
+# preemption, or on the engine (a request continued elsewhere from its first p tokens
+# draws what it would have drawn in place). SplitMix64 passes BigCrush. U keeps the top
+# 23 bits: u = (k + 0.5) * 2^-23 lies in [2^-24, 1 - 2^-24], never 0 or 1.
+
+_MASK64 = (1 << 64) - 1
+SPLITMIX64_GAMMA = 0x9E3779B97F4A7C15  # the increment: 2^64 / golden ratio, odd
+
+
+def seeded_offsets(seeds: Sequence[int], positions: Sequence[int], vocab_size: int) -> torch.Tensor:
+    """[S] int64 (the uint64 bits): ``seed + p * V * GAMMA`` mod 2^64 per row, so element
+    v of row i has state ``offsets[i] + (v + 1) * GAMMA``."""
+    if len(seeds) != len(positions):
+        raise ValueError(f"{len(seeds)} seeds but {len(positions)} positions")
+    values = [(s + p * vocab_size * SPLITMIX64_GAMMA) & _MASK64 for s, p in zip(seeds, positions)]
+    return torch.from_numpy(np.array(values, dtype=np.uint64).view(np.int64))
+
+
+@functools.lru_cache(maxsize=4)
+def _splitmix_steps(vocab_size: int) -> np.ndarray:  # [V] uint64: (v + 1) * GAMMA mod 2^64
+    with np.errstate(over="ignore"):
+        return np.arange(1, vocab_size + 1, dtype=np.uint64) * np.uint64(SPLITMIX64_GAMMA)
+
+
+def seeded_uniform(seeds: Sequence[int], positions: Sequence[int], vocab_size: int) -> torch.Tensor:
+    """[S, V] float32 CPU uniforms: row i for a request with ``seeds[i]`` sampling its
+    output token number ``positions[i]`` (0 = the first token it generates)."""
+    offsets = seeded_offsets(seeds, positions, vocab_size).numpy().view(np.uint64)
+    with np.errstate(over="ignore"):
+        z = offsets[:, None] + _splitmix_steps(vocab_size)[None, :]  # [S, V] uint64 states
+        z ^= z >> np.uint64(30)
+        z *= np.uint64(0xBF58476D1CE4E5B9)
+        z ^= z >> np.uint64(27)
+        z *= np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    u = (z >> np.uint64(41)).astype(np.float32)  # integers k in [0, 2^23)
+    u += np.float32(0.5)
+    u *= np.float32(2.0**-23)
+    return torch.from_numpy(u)

@@ -37,7 +37,7 @@ def _metadata(rows: int = B, **overrides: Any) -> SamplingMetadata:
         top_p=None,
         top_k=None,
         min_p=None,
-        generators={},
+        seeds={},
         max_num_logprobs=None,
         presence_penalties=None,
         frequency_penalties=None,
@@ -162,9 +162,9 @@ def test_top_k_1_equals_greedy() -> None:
     # Built from requests: top_k = 1 rows behave as greedy rows.
     params = [SamplingParams(temperature=1.5, top_k=1, seed=i) for i in range(B)]
     md = SamplingMetadata.from_requests(
-        params, [[1]] * B, [[]] * B, [torch.Generator() for _ in range(B)], [None] * B, V, "cpu"
+        params, [[1]] * B, [[]] * B, list(range(B)), [None] * B, V, "cpu"
     )
-    assert md.all_greedy and not md.generators
+    assert md.all_greedy and not md.seeds
     assert torch.equal(sampler(logits, md).sampled_token_ids, logits.argmax(-1))
 
 
@@ -324,19 +324,14 @@ def test_penalties_through_sampler_and_from_requests() -> None:
 
 
 def test_seeded_row_same_tokens_alone_and_in_batch() -> None:
-    seed = random.randrange(2**31)
-    alone_gen = torch.Generator().manual_seed(seed)
-    batch_gen = torch.Generator().manual_seed(seed)
-    other_gen = torch.Generator().manual_seed(seed + 1)
-    greedy_gen = torch.Generator().manual_seed(seed + 2)
-    greedy_state = greedy_gen.get_state()
+    seed = random.randrange(2**63)
     row, other_row, batch = 5, 9, 16
     row_logits = _logits(1, scale=0.3)  # flat: the sample is far from the argmax
     alone_tokens: list[int] = []
     batch_tokens: list[int] = []
     other_tokens: list[int] = []
-    for _ in range(6):
-        md = _metadata(1, generators={0: alone_gen})
+    for position in range(6):
+        md = _metadata(1, seeds={0: (seed, position)})
         alone_tokens.append(int(Sampler()(row_logits, md).sampled_token_ids[0]))
 
         logits = _logits(batch, scale=0.3)
@@ -348,23 +343,67 @@ def test_seeded_row_same_tokens_alone_and_in_batch() -> None:
         md = _metadata(
             batch,
             temperature=temperature,
-            generators={row: batch_gen, other_row: other_gen, 0: greedy_gen},
+            seeds={row: (seed, position), other_row: (seed + 1, position), 0: (seed + 2, position)},
         )
         sampled = Sampler()(logits, md).sampled_token_ids
         batch_tokens.append(int(sampled[row]))
         other_tokens.append(int(sampled[other_row]))
     assert alone_tokens == batch_tokens
-    assert torch.equal(greedy_gen.get_state(), greedy_state)  # greedy rows draw nothing
-    # The generator advances: the same logits give different tokens over the steps.
+    # The stream moves on with the position: the same logits give different tokens.
     assert len(set(alone_tokens)) > 1
     assert other_tokens != alone_tokens
 
 
-def test_from_requests_keeps_generators_of_random_rows_only() -> None:
-    gens = [torch.Generator(), None, torch.Generator()]
+def test_seeded_draw_depends_on_seed_and_position_only() -> None:
+    """A seeded row's token at output position p is the same whatever came before: the
+    draws of positions 0..p-1 (or none of them: a request continued at p) change nothing."""
+    seed = random.randrange(2**63)
+    logits = _logits(1, scale=0.3)
+    sampler = Sampler()
+    in_order = [
+        int(sampler(logits, _metadata(1, seeds={0: (seed, p)})).sampled_token_ids[0]) for p in range(8)
+    ]
+    for p in random.sample(range(8), 8):  # any order, each position alone
+        assert int(sampler(logits, _metadata(1, seeds={0: (seed, p)})).sampled_token_ids[0]) == in_order[p]
+
+
+def test_native_seeded_uniform_matches_reference() -> None:
+    from kernels import cpu_ops, reference
+
+    if not cpu_ops.native_available():
+        pytest.skip("the native CPU kernels could not be built here (see the log)")
+    rows = random.randrange(1, 5)
+    vocab = random.choice([1, 7, 4096, 4097, 50_000])
+    seeds = [random.randrange(-(2**63), 2**64) for _ in range(rows)]
+    positions = [random.randrange(0, 10**6) for _ in range(rows)]
+    native = cpu_ops.seeded_uniform(seeds, positions, vocab)
+    expected = reference.seeded_uniform(seeds, positions, vocab)
+    assert torch.equal(native, expected)
+    assert float(expected.min()) > 0.0 and float(expected.max()) < 1.0
+
+
+def test_seeded_uniform_is_splitmix64() -> None:
+    """Element v of (seed, p) is SplitMix64's output number p*V + v from ``seed``."""
+    from kernels.reference import seeded_uniform
+
+    mask = (1 << 64) - 1
+
+    def splitmix64(seed: int, n: int) -> int:
+        z = (seed + (n + 1) * 0x9E3779B97F4A7C15) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+
+    seed, position, vocab = random.randrange(2**64), random.randrange(1000), 37
+    row = seeded_uniform([seed], [position], vocab)[0].tolist()
+    assert row == [((splitmix64(seed, position * vocab + v) >> 41) + 0.5) * 2**-23 for v in range(vocab)]
+
+
+def test_from_requests_keeps_seeds_of_random_rows_only() -> None:
     params = [SamplingParams(seed=1), SamplingParams(), SamplingParams(temperature=0.0, seed=2)]
-    md = SamplingMetadata.from_requests(params, [[0]] * 3, [[]] * 3, gens, [None] * 3, V, "cpu")
-    assert md.generators == {0: gens[0]}
+    outputs = [[4, 5], [], []]
+    md = SamplingMetadata.from_requests(params, [[0]] * 3, outputs, [1, None, 2], [None] * 3, V, "cpu")
+    assert md.seeds == {0: (1, 2)}  # position: the output tokens so far
     assert not md.all_greedy and not md.all_random
     assert md.top_p is None and md.top_k is None and md.min_p is None
     assert md.presence_penalties is None and md.max_num_logprobs is None

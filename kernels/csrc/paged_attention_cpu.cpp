@@ -4,7 +4,8 @@
 //   over its rows where the PyTorch reference takes 5-20 elementwise ops per layer;
 //   argmax_rows: greedy sampling (torch's CPU argmax is not vectorized: 1.7 ms for
 //   [64, 49152] float32 on the bench machine, 6x its amax);
-//   apply_token_bitmask: a structured-output grammar's token mask applied to the logits.
+//   apply_token_bitmask: a structured-output grammar's token mask applied to the logits;
+//   seeded_uniform: seeded sampling's counter-based uniforms (SplitMix64), ~10x numpy.
 //
 // Decode attention on CPU that reads the paged KV cache in place.
 //
@@ -438,6 +439,38 @@ void apply_token_bitmask(at::Tensor logits, const at::Tensor& bitmask, const at:
   });
 }
 
+// out[i, v] = U(splitmix64 state offsets[i] + (v + 1) * GAMMA): seeded sampling's
+// uniforms (contract and why in kernels/reference.py, seeded_uniform). uint64 arithmetic
+// wraps by definition; the loop over v vectorizes (64-bit multiplies).
+void seeded_uniform(at::Tensor out, const at::Tensor& offsets) {
+  TORCH_CHECK(out.device().is_cpu() && offsets.device().is_cpu(), "seeded_uniform: tensors must be on the CPU");
+  TORCH_CHECK(out.scalar_type() == at::kFloat && out.dim() == 2 && out.is_contiguous(),
+              "out must be contiguous float32 [rows, vocab]");
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.dim() == 1 && offsets.is_contiguous() &&
+                  offsets.size(0) == out.size(0),
+              "offsets must be contiguous int64 [rows]");
+  const int64_t rows = out.size(0), v = out.size(1);
+  const uint64_t* off = reinterpret_cast<const uint64_t*>(offsets.data_ptr<int64_t>());
+  float* base = out.data_ptr<float>();
+  constexpr uint64_t kGamma = 0x9E3779B97F4A7C15ull;
+  constexpr int64_t kChunk = 4096;
+  const int64_t chunks = (v + kChunk - 1) / kChunk;
+  at::parallel_for(0, rows * chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t r = c / chunks, lo = (c % chunks) * kChunk, hi = std::min(v, lo + kChunk);
+      const uint64_t start = off[r] + static_cast<uint64_t>(lo + 1) * kGamma;
+      float* y = base + r * v;
+      for (int64_t i = lo; i < hi; ++i) {
+        uint64_t z = start + static_cast<uint64_t>(i - lo) * kGamma;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        z ^= z >> 31;
+        y[i] = (static_cast<float>(z >> 41) + 0.5f) * (1.0f / 8388608.0f);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tandem_cpu, m) {
@@ -461,4 +494,6 @@ TORCH_LIBRARY(tandem_cpu, m) {
   m.impl("argmax_rows", c10::DispatchKey::CPU, &argmax_rows);
   m.def("apply_token_bitmask(Tensor(a!) logits, Tensor bitmask, Tensor rows) -> ()");
   m.impl("apply_token_bitmask", c10::DispatchKey::CPU, &apply_token_bitmask);
+  m.def("seeded_uniform(Tensor(a!) out, Tensor offsets) -> ()");
+  m.impl("seeded_uniform", c10::DispatchKey::CPU, &seeded_uniform);
 }

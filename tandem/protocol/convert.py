@@ -312,6 +312,7 @@ def engine_core_request_to_proto(
         timeout_s=req.timeout_s,
         lora_request=lora_request_to_proto(req.lora_request) if req.lora_request is not None else None,
         resumable=req.resumable,
+        generated_token_ids=req.generated_token_ids,
     )
 
 
@@ -341,6 +342,7 @@ def engine_core_request_from_proto(msg: engine_pb2.EngineCoreRequest) -> EngineC
         timeout_s=msg.timeout_s if msg.HasField("timeout_s") else None,
         lora_request=lora_request_from_proto(msg.lora_request) if msg.HasField("lora_request") else None,
         resumable=msg.resumable,
+        generated_token_ids=list(msg.generated_token_ids),
     )
 
 

@@ -67,6 +67,8 @@ class EngineCoreRequest:
     lora_request: LoRARequest | None = None
     # A streaming-input session turn (see engine.proto EngineCoreRequest.resumable).
     resumable: bool = False
+    # A continuation: output tokens already generated elsewhere (engine.proto field 16).
+    generated_token_ids: list[int] = field(default_factory=list)
     # Engine-local, never sent: time.monotonic() when the engine service received it
     # (None: when the core got it). Queue time counts from here.
     received_time: float | None = field(default=None, compare=False)
