@@ -35,6 +35,7 @@ from frontend_service.engine_group import EngineGroup
 from frontend_service.input_processor import InputProcessor, ProcessedRequest
 from frontend_service.lora import LoraRegistry
 from frontend_service.metrics import FrontendMetrics, SequenceTimes
+from frontend_service.migration import Migration, MigrationConfig, MigrationReason
 from frontend_service.output_processor import OutputProcessor
 from frontend_service.outputs import RequestOutput, merge_request_outputs
 from frontend_service.pooling import Pooling
@@ -86,9 +87,12 @@ class _Stream:
     deadline: float | None = None  # time.monotonic() when the caller stops waiting
     tried: list[EngineConnection] = field(default_factory=list)  # engines it was sent to
     got_output: bool = False  # an engine produced something for it
+    migrations: int = 0  # times it moved on after losing its engine (migration.py)
+    session: bool = False  # a streaming-input session: bound to its engine, never migrated
+    span: Any = None  # the request's trace span, if traced
 
 
-class AsyncLLM(EngineUtilities, Pooling, Sessions):
+class AsyncLLM(EngineUtilities, Pooling, Sessions, Migration):
     def __init__(
         self,
         tokenizer: Any,
@@ -100,8 +104,10 @@ class AsyncLLM(EngineUtilities, Pooling, Sessions):
         metrics: FrontendMetrics | None = None,
         tracing: Tracing | None = None,
         admission: PendingLimit | None = None,
+        migration: MigrationConfig | None = None,
     ) -> None:
-        """``admission``: the bound on requests in progress (None: unbounded)."""
+        """``admission``: the bound on requests in progress (None: unbounded);
+        ``migration``: what happens to requests of a lost engine (default: they move on)."""
         self.tokenizer = tokenizer
         self.engines = engines
         self.input_processor = input_processor
@@ -117,6 +123,7 @@ class AsyncLLM(EngineUtilities, Pooling, Sessions):
         self._observing = metrics is not None or tracing is not None
         self._seq_times: dict[str, SequenceTimes] = {}
         self.admission = admission
+        self.migration = migration or MigrationConfig()
         self._owner: dict[str, str] = {}  # engine request id -> internal request id
         # Engine request ids of streams placed again on another engine: outputs for them
         # from any other engine are stale (aborted there) and dropped.
@@ -154,11 +161,12 @@ class AsyncLLM(EngineUtilities, Pooling, Sessions):
             engine.abort(processed.reqs_to_abort)  # stop strings matched
 
     def on_engine_dead(self, engine: EngineConnection, reason: str) -> None:
-        """Fail every request on the dead engine with UNAVAILABLE; others keep going."""
-        dead = [rid for rid, s in self.streams.items() if s.engine is engine and not s.finished]
-        self.output_processor.abort_requests(dead)
-        for rid in dead:
-            self.streams[rid].queue.put_nowait(EngineUnavailableError(reason))
+        """Move every request of the dead engine to another one (migration.py), or fail
+        it with UNAVAILABLE where it cannot move; others keep going."""
+        lost = [(rid, s) for rid, s in self.streams.items() if s.engine is engine and not s.finished]
+        for internal_id, stream in lost:
+            if not self._migrate(internal_id, stream, MigrationReason.ENGINE_DEAD, reason):
+                self._fail(internal_id, stream, EngineUnavailableError(reason))
 
     # ---- failed requests: another engine, or the caller gets the status --------------
 
@@ -184,8 +192,9 @@ class AsyncLLM(EngineUtilities, Pooling, Sessions):
         Refused before any output (RESOURCE_EXHAUSTED: its queue is full; UNAVAILABLE: it
         started draining while the add was on the wire): the stream moves to the
         least-loaded live engine it has not tried yet (each engine at most once), and its
-        caller never sees the refusal. Anything else, or no engine left: the caller gets
-        the engine's status.
+        caller never sees the refusal. UNAVAILABLE after output (the engine's drain
+        timeout ended it): the stream migrates. Anything else, or no engine left: the
+        caller gets the engine's status.
         """
         internal_id = self._owner.get(out.request_id, "")
         stream = self.streams.get(internal_id)
@@ -205,6 +214,9 @@ class AsyncLLM(EngineUtilities, Pooling, Sessions):
                 except (RequestFailedError, EngineUnavailableError) as exc:
                     self._fail(internal_id, stream, exc)
                 return
+        drained = error.code == ErrorCode.UNAVAILABLE and stream.got_output
+        if drained and self._migrate(internal_id, stream, MigrationReason.ENGINE_DRAINED, error.message):
+            return
         self._fail(internal_id, stream, RequestFailedError(error))
 
     def _next_engine(self, stream: _Stream) -> EngineConnection | None:
@@ -213,15 +225,18 @@ class AsyncLLM(EngineUtilities, Pooling, Sessions):
         except EngineUnavailableError:
             return None
 
-    def _send(self, stream: _Stream, engine: EngineConnection) -> None:
-        """Place the stream's engine requests on ``engine``, with the time left."""
+    def _send(
+        self, stream: _Stream, engine: EngineConnection, requests: Sequence[EngineCoreRequest] | None = None
+    ) -> None:
+        """Place the stream's engine requests (or ``requests``: continuations of some of
+        them) on ``engine``, with the time left."""
         left = None
         if stream.deadline is not None:
             left = stream.deadline - time.monotonic()
             if left <= 0:
                 raise deadline_exceeded("the deadline passed before the request reached an engine")
         stream.tried.append(engine)
-        for req in stream.requests:
+        for req in stream.requests if requests is None else requests:
             req.timeout_s = left
             engine.add_request(req)
 
@@ -338,6 +353,7 @@ class AsyncLLM(EngineUtilities, Pooling, Sessions):
                 asyncio.Queue(), engine, [r.request_id for r in processed.engine_requests],
                 requests=processed.engine_requests,
                 deadline=None if timeout_s is None else arrival + timeout_s,
+                span=span,
             )
             self.output_processor.add_processed(processed)
             self._track(internal_id, stream)

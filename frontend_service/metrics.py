@@ -67,6 +67,13 @@ class FrontendMetrics:
             registry=registry,
             buckets=E2E_BUCKETS,
         )
+        self.request_migrations = Counter(
+            "tandem:request_migrations",
+            "Requests continued on another engine after losing theirs, by reason (engine_dead: "
+            "its stream to the engine broke; engine_drained: the engine's drain timeout ended it).",
+            ["reason"],
+            registry=registry,
+        )
         self.request_failures = Counter(
             "tandem:request_failures",
             "Requests that ended with an error status, by gRPC code (DEADLINE_EXCEEDED: the "

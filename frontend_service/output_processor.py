@@ -445,6 +445,12 @@ class OutputProcessor:
         self._states.pop(engine_request_id, None)
         self._parent_of.pop(engine_request_id, None)
 
+    def generated_token_ids(self, engine_request_id: str) -> list[int] | None:
+        """The output tokens received so far for an unfinished engine request (what a
+        continuation carries); None once it has finished or if it is unknown."""
+        state = self._states.get(engine_request_id)
+        return None if state is None or state.finished else list(state.token_ids)
+
     @property
     def user_request_ids(self) -> list[str]:
         return list(self._parents)

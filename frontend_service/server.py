@@ -31,6 +31,11 @@ from frontend_service.engine_group import DEFAULT_DISCOVERY_INTERVAL, EngineGrou
 from frontend_service.errors import abort_with
 from frontend_service.input_processor import InputProcessor
 from frontend_service.metrics import FrontendMetrics
+from frontend_service.migration import (
+    MigrationConfig,
+    add_migration_cli,
+    migration_config_from_args,
+)
 from frontend_service.openai import add_http_port_cli
 from frontend_service.placement import PlacementConfig, PlacementPolicy
 from tandem import telemetry
@@ -87,6 +92,7 @@ class FrontendConfig:
     drain_timeout: float = 30.0
     discovery_interval: float = DEFAULT_DISCOVERY_INTERVAL  # seconds between dns:/// and file:/// lookups
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    migration: MigrationConfig = field(default_factory=MigrationConfig)  # requests of a lost engine
 
 
 class GenerationServicer(frontend_pb2_grpc.GenerationServicer):
@@ -419,7 +425,7 @@ async def _serve_frontend(
     llm = AsyncLLM(
         tokenizer, group, processor, config.client_index,
         model_name=model_name, metrics=metrics, tracing=tracing,
-        admission=PendingLimit(config.max_pending_requests),
+        admission=PendingLimit(config.max_pending_requests), migration=config.migration,
     )
     holder["llm"] = llm
     await llm.loras.refresh()  # the engines' --lora-modules, selectable by name
@@ -527,6 +533,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     add_health_port_cli(p)
     add_server_security_cli(p, engine=False)
     add_engine_channel_cli(p)
+    add_migration_cli(p)
     p.set_defaults(handler=run_cli)
 
 
@@ -567,6 +574,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         drain_timeout=args.drain_timeout,
         discovery_interval=args.discovery_interval,
         placement=PlacementConfig(policy=PlacementPolicy(args.placement)),
+        migration=migration_config_from_args(args),
     )
 
 

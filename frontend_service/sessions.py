@@ -106,7 +106,7 @@ class Sessions:
                 processed.engine_requests[0] = request
                 if stream is None:
                     stream = _Stream(asyncio.Queue(), llm.engines.pick(request), [request.request_id],
-                                     requests=[request], deadline=deadline)
+                                     requests=[request], deadline=deadline, session=True)
                     llm._track(internal_id, stream)
                     stream.tried.append(stream.engine)
                 stream.finished = False

@@ -30,7 +30,7 @@ class FakeEngine:
     """Stands in for an EngineConnection: records what AsyncLLM sends."""
 
     def __init__(self, name: str) -> None:
-        self.name = name
+        self.name = self.address = name
         self.added: list[EngineCoreRequest] = []
         self.aborted: list[str] = []
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Collection
 from typing import Any
 
 import pytest
 
 from frontend_service.async_llm import AsyncLLM
+from frontend_service.engine_client import EngineUnavailableError
 from frontend_service.input_processor import InputProcessor
 from frontend_service.outputs import CompletionOutput, Logprob, RequestOutput, merge_request_outputs
 from tandem.protocol.outputs import (
@@ -24,10 +26,13 @@ class FakeEngine:
     """Stands in for an EngineConnection and its group: records what AsyncLLM sends."""
 
     def __init__(self) -> None:
+        self.address = "fake"
         self.added: list[EngineCoreRequest] = []
         self.aborted: list[str] = []
 
-    def pick(self, request: EngineCoreRequest | None = None, exclude: object = ()) -> FakeEngine:
+    def pick(self, request: EngineCoreRequest | None = None, exclude: Collection[object] = ()) -> FakeEngine:
+        if self in exclude:
+            raise EngineUnavailableError("no other engine")
         return self
 
     def add_request(self, request: EngineCoreRequest) -> None:

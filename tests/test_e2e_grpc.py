@@ -544,24 +544,17 @@ def test_engine_killed_mid_stream(tiny_llama_dir: str, tmp_path) -> None:  # typ
         assert [i.num_running_reqs for i in stack.engine_infos()] == [1, 1]
 
         stack.engines[0].kill()
-        outcomes: list[str] = []
+        # Engine 0's stream migrates to engine 1 (migration.py): both complete.
         for call in calls:
-            try:
-                last = list(call)[-1]
-                assert last.finished and last.outputs[0].finish_reason == "length"
-                outcomes.append("completed")
-            except grpc.RpcError as exc:
-                assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc.details()
-                assert stack.engines[0].address in exc.details()
-                outcomes.append("unavailable")
-        assert sorted(outcomes) == ["completed", "unavailable"]
+            last = list(call)[-1]
+            assert last.finished and last.outputs[0].finish_reason == "length"
 
         # One engine left: still SERVING, and new requests run there.
         assert stack.frontend.health() == SERVING
         responses = list(stub.Generate(long_request(), timeout=CALL_TIMEOUT))
         assert responses[-1].outputs[0].finish_reason == "length"
 
-        # Kill the last engine while a request streams on it.
+        # Kill the last engine while a request streams on it: nowhere to migrate.
         call = stub.Generate(long_request(), timeout=CALL_TIMEOUT)
         assert not next(call).finished
         stack.engines[1].kill()

@@ -7,9 +7,9 @@ same scenarios (``benchmarks.chaos.scenarios``) small enough for CI and asserts:
   with allowed status codes, never INTERNAL or UNKNOWN, and the services are healthy
   after: SERVING, a normal request completes, engines idle with every block free;
 - streams cancelled mid-generation leave no request and no KV block behind;
-- an engine SIGKILLed under load: its streams end UNAVAILABLE (the time is printed,
-  only a hang-catching bound is asserted), the other engine's streams complete, and
-  the engine restarted on its port is used again.
+- an engine SIGKILLed under load: its streams migrate to the other engine and every
+  stream completes (the time from the kill to each stream's next token is printed, only
+  a hang-catching bound is asserted), and the engine restarted on its port is used again.
 The kill runs last: it restarts the engine it killed, but the stack is not the same after.
 """
 
@@ -32,7 +32,7 @@ pytestmark = pytest.mark.timeout(600)
 FUZZ_CALLS = 300
 CANCELS = 100
 KILL_STREAMS = 6
-HANG_BOUND_S = 10.0  # UNAVAILABLE is expected in well under 1 s; this only catches hangs
+HANG_BOUND_S = 30.0  # a migrated stream resumes in about a second; this only catches hangs
 
 
 @pytest.fixture(scope="module")
@@ -125,16 +125,15 @@ def test_mid_stream_cancels_leak_nothing(stack: ChaosStack) -> None:
 
 def test_engine_sigkill_under_load(stack: ChaosStack) -> None:
     result = asyncio.run(scenarios.engine_kill(stack, KILL_STREAMS, victim=0))
-    times = result.unavailable_after_s
+    times = result.resumed_after_s
     print(
         f"engine kill: load before {result.load_before}, endings {dict(result.endings)}, "
-        f"kill -> UNAVAILABLE {[round(t * 1000) for t in times]} ms, "
+        f"kill -> next token {sorted(round(t * 1000) for t in times)} ms, "
         f"restarted engine used {result.restarted_used_after_s} s after SERVING"
     )
     assert all(running > 0 for running, _, _ in result.load_before), result.load_before
     assert not result.other_failures, result.other_failures
-    assert result.endings["UNAVAILABLE"] > 0 and result.endings["completed"] > 0, result.endings
-    assert set(result.endings) == {"UNAVAILABLE", "completed"}, result.endings
-    assert max(times) < HANG_BOUND_S, times
+    assert dict(result.endings) == {"completed": KILL_STREAMS}, result.endings  # migrated, not failed
+    assert len(times) == KILL_STREAMS and max(times) < HANG_BOUND_S, times
     assert result.restarted_used_after_s is not None, "the restarted engine got no request"
     _assert_healthy(stack)

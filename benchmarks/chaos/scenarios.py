@@ -3,8 +3,9 @@
 - ``fuzz``: hypothesis-drawn requests and raw random bodies to every public method
   and to the engines' Stream / GetEngineInfo; counts answers per status code.
 - ``cancels``: streams cancelled mid-generation; what the engines still hold after.
-- ``engine_kill``: one engine SIGKILLed under load; how fast its streams end and how,
-  whether the other engine's streams complete, whether a restarted engine is used.
+- ``engine_kill``: one engine SIGKILLed under load; how its streams end (with request
+  migration: completed on the other engine) and how long each stream waited from the
+  kill to its next token, whether a restarted engine is used.
 - ``soak``: many ordinary requests; each process' RSS before and after.
 """
 
@@ -185,6 +186,7 @@ class KillResult:
     load_before: list[tuple[int, int, int]]
     endings: collections.Counter[str]  # "completed", or the status code name
     unavailable_after_s: list[float]  # kill -> end of each stream that ended UNAVAILABLE
+    resumed_after_s: list[float]  # kill -> next message, per stream that got one (migrated ones wait longest)
     other_failures: list[str]
     restarted_used_after_s: float | None  # restart SERVING -> restarted engine runs a request
 
@@ -195,6 +197,7 @@ async def engine_kill(
     """Needs >= 2 engines. SIGKILL ``victim`` while ``streams`` long requests run."""
     endings: collections.Counter[str] = collections.Counter()
     unavailable: list[float] = []
+    resumed: list[float] = []
     failures: list[str] = []
     killed_at: list[float] = []
     async with grpc.aio.insecure_channel(stack.address) as channel:
@@ -210,6 +213,8 @@ async def engine_kill(
                     raise first
                 # read() only: grpc.aio forbids mixing it with async iteration on one call.
                 while (msg := await call.read()) is not grpc.aio.EOF:
+                    if last is first and killed_at:
+                        resumed.append(time.monotonic() - killed_at[0])
                     last = msg
                 if last is not grpc.aio.EOF and last.finished and last.outputs[0].finish_reason == "length":
                     endings["completed"] += 1
@@ -241,7 +246,7 @@ async def engine_kill(
                 c.cancel()
             if used_after is None:
                 await asyncio.sleep(0.5)
-    return KillResult(streams, load_before, endings, unavailable, failures, used_after)
+    return KillResult(streams, load_before, endings, unavailable, resumed, failures, used_after)
 
 
 @dataclass
