@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import shlex
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 from benchmarks.chaos import scenarios
-from benchmarks.chaos.procs import ChaosStack
+from benchmarks.chaos.procs import DEFAULT_ENGINE_ARGS, ChaosStack
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=16, help="calls in flight at once (default 16)")
     p.add_argument("--seed", type=int, default=0, help="seed of the fuzz and the workloads (default 0)")
     p.add_argument("--log-dir", default="", help="where the services' logs go (default: a temp dir)")
+    p.add_argument("--engine-args", default=" ".join(DEFAULT_ENGINE_ARGS),
+                   help="arguments of every engine (default: %(default)s; a larger model needs a larger "
+                        "--kv-cache-memory-bytes)")
     return p
 
 
@@ -109,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         model = cached_model("tiny")
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="tandem-chaos-"))
     print(f"chaos: model {model}, {args.engines} engine(s), logs in {log_dir}")
-    with ChaosStack(model, args.engines, log_dir) as stack:
+    with ChaosStack(model, args.engines, log_dir, shlex.split(args.engine_args)) as stack:
         ok = asyncio.run(run(args, stack))
     print("\nresult:", "PASS" if ok else "FAIL")
     return 0 if ok else 1

@@ -229,7 +229,7 @@ async def engine_kill(
 
         drains = [asyncio.ensure_future(drain(c, f)) for c, f in zip(calls, firsts)]
         killed_at.append(time.monotonic())
-        stack.engines[victim].kill()
+        await asyncio.to_thread(stack.engines[victim].kill)  # reaping it takes a while: keep reading
         await asyncio.gather(*drains)
 
         restarted = stack.restart_engine(victim)  # on this thread: see Service.start
