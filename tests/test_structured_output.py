@@ -412,3 +412,29 @@ def test_benchmark_runs(tiny_llama_dir: str) -> None:
     for name in ("json schema", "regex", "grammar (GBNF)", "json_object"):
         assert name in proc.stdout
     assert "mask / free step" in proc.stdout
+
+
+def test_a_continuation_replays_the_grammar_and_ends_the_same(tiny_llama_dir: str) -> None:
+    """Request migration: a constrained request continued from any position of its output
+    (the matcher replays the generated tokens) produces the rest of the same output."""
+    core = _core(tiny_llama_dir)
+    rng = random.Random()
+    prompt = [rng.randrange(5, 1024) for _ in range(rng.randint(3, 40))]
+    checked = 0
+    for so, _ in _constraints()[:3]:
+        for params in (
+            SamplingParams(max_tokens=64, temperature=0.0, structured_outputs=so),
+            SamplingParams(max_tokens=64, temperature=1.0, seed=rng.randrange(2**31), structured_outputs=so),
+        ):
+            tokens, final, _ = _run(core, [EngineCoreRequest("alone", prompt, params, eos_token_id=2)])
+            whole = tokens["alone"]
+            if len(whole) < 2:
+                continue
+            cut = rng.randrange(1, len(whole))
+            rest, final_rest, _ = _run(
+                core, [EngineCoreRequest("cont", prompt, params, eos_token_id=2, generated_token_ids=whole[:cut])]
+            )
+            assert rest["cont"] == whole[cut:], (so, cut)
+            assert final_rest["cont"].finish_reason == final["alone"].finish_reason
+            checked += 1
+    assert checked >= 3, "the constraints gave too few multi-token outputs to cut"
