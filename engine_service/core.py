@@ -20,6 +20,7 @@ from engine_service.config import ConfigError, EngineConfig
 from engine_service.cpu import keep_freed_memory_mapped
 from engine_service.kv_cache.manager import KVCacheManager
 from engine_service.lora import LoRAManager
+from engine_service.lora.engine_api import LoRAUtilities
 from engine_service.model_runner import (
     ModelRunner,
     RunnerOutput,
@@ -34,8 +35,8 @@ from engine_service.scheduler import Scheduler, SchedulerOutput
 from engine_service.sessions import Sessions
 from engine_service.sleep_mode import SleepMode
 from engine_service.structured_output import StructuredOutputManager
+from engine_service.validation import RequestValidation
 from kernels.dispatch import get_ops
-from tandem.protocol.lora import LoRARequest
 from tandem.protocol.model_config import ModelConfig
 from tandem.protocol.outputs import (
     EngineCoreOutput,
@@ -54,7 +55,7 @@ logger = logging.getLogger(__name__)
 _COMPILE_POLL_S = 0.005
 
 
-class EngineCore(SleepMode, Sessions):
+class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
     """One engine: model, KV cache, scheduler. Not thread-safe: one thread drives it.
 
     ``EngineCoreLoop`` (core_loop.py) puts a thread and queues around it for services.
@@ -161,15 +162,6 @@ class EngineCore(SleepMode, Sessions):
             self.model_config, self.num_blocks, cfg.block_size, cfg.torch_dtype, cfg.torch_device
         )
 
-    def _preload_loras(self, modules: list[str]) -> None:
-        """``--lora-modules NAME=PATH ...``: registered with ids 1, 2, ... in order."""
-        for adapter_id, item in enumerate(modules, start=1):
-            name, _, path = item.partition("=")
-            try:
-                self.add_lora(LoRARequest(name, adapter_id, path))
-            except InvalidRequestError as exc:
-                raise ConfigError(f"lora_modules {item!r}: {exc}") from exc
-
     def _resolve_max_model_len(self, mc: ModelConfig) -> int:
         limit = mc.max_position_embeddings
         wanted = self.config.max_model_len
@@ -237,69 +229,6 @@ class EngineCore(SleepMode, Sessions):
 
     # ---- requests --------------------------------------------------------------------
 
-    def validate_request(self, req: EngineCoreRequest) -> None:
-        """Raise InvalidRequestError naming the bad field; safe to call from any thread."""
-        if not req.request_id:
-            raise InvalidRequestError("request_id", req.request_id, "must not be empty")
-        prompt = req.prompt_token_ids
-        if not prompt:
-            raise InvalidRequestError("prompt_token_ids", prompt, "the prompt is empty")
-        if len(prompt) >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt_token_ids",
-                f"<{len(prompt)} tokens>",
-                f"prompt of {len(prompt)} tokens leaves no room to generate within "
-                f"max_model_len={self.max_model_len}",
-            )
-        vocab = self.model_config.vocab_size
-        lo, hi = min(prompt), max(prompt)
-        if lo < 0 or hi >= vocab:
-            bad = lo if lo < 0 else hi
-            index = prompt.index(bad)
-            raise InvalidRequestError(
-                f"prompt_token_ids[{index}]", bad, f"token id outside the vocabulary [0, {vocab})"
-            )
-        if req.generated_token_ids:
-            self._check_continuation(req)
-        if req.resumable:
-            self._check_session(req)
-        if req.pooling_params is not None:
-            req.pooling_params.validate(self.model_config.hidden_size)
-        else:
-            req.sampling_params.validate(vocab, self.config.max_logprobs)
-        if req.lora_request is not None:
-            if self.lora is None:
-                raise InvalidRequestError(
-                    "lora_request", req.lora_request.lora_name,
-                    "LoRA is not enabled on this engine (start it with --enable-lora)",
-                )
-            req.lora_request.validate()
-
-    def _check_continuation(self, req: EngineCoreRequest) -> None:
-        """A migrated request's output so far must fit and leave something to generate."""
-        generated, params = req.generated_token_ids, req.sampling_params
-        field = "generated_token_ids"
-        if req.pooling_params is not None or req.resumable or params.prompt_logprobs is not None:
-            raise InvalidRequestError(
-                field, f"<{len(generated)} tokens>", "a continuation takes no pooling, session or prompt logprobs"
-            )
-        total = len(req.prompt_token_ids) + len(generated)
-        if total >= self.max_model_len:
-            raise InvalidRequestError(
-                field, f"<{len(generated)} tokens>",
-                f"prompt and generated tokens ({total}) leave no room within max_model_len={self.max_model_len}",
-            )
-        if params.max_tokens is not None and len(generated) >= params.max_tokens:
-            raise InvalidRequestError(
-                field, f"<{len(generated)} tokens>", f"already max_tokens={params.max_tokens} tokens: nothing left"
-            )
-        vocab = self.model_config.vocab_size
-        bad = next((t for t in generated if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(
-                f"{field}[{generated.index(bad)}]", bad, f"token id outside the vocabulary [0, {vocab})"
-            )
-
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a request, however long the queue (the in-process LLM, benchmarks).
         Raises InvalidRequestError on bad input, RequestRejected when its deadline has
@@ -333,41 +262,6 @@ class EngineCore(SleepMode, Sessions):
             self.admission.check(len(waiting), waiting.num_tokens, request.num_tokens)
         self.structured.submit(request)  # a constraint starts compiling now
         self.scheduler.add_request(request)
-
-    def _lora_for_request(self, lora: LoRARequest) -> LoRARequest:
-        """Resolve a by-name request, register a new adapter, and check it loads (on the
-        engine thread: reading an adapter touches the manager's caches)."""
-        assert self.lora is not None
-        lora = self.lora.resolve(lora)
-        self.lora.add_lora(lora)
-        return lora
-
-    # ---- LoRA adapters (vLLM's utility calls) ------------------------------------
-
-    def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Load and register an adapter for later requests; True if it was new."""
-        return self._require_lora("lora_request").add_lora(lora_request)
-
-    def remove_lora(self, lora_id: int) -> bool:
-        return self._require_lora("lora_id").remove_lora(lora_id)
-
-    def list_loras(self) -> list[int]:
-        return self._require_lora("lora_id").list_loras()
-
-    def lora_requests(self) -> list[LoRARequest]:
-        """Every registered adapter, by id (what frontends learn names from)."""
-        lora = self._require_lora("lora_id")
-        return [lora.known[i] for i in lora.list_loras()]
-
-    def pin_lora(self, lora_id: int) -> bool:
-        """Keep the adapter in a device slot (never evicted)."""
-        running = {r.lora_int_id for r in self.scheduler.running}
-        return self._require_lora("lora_id").pin_lora(lora_id, running)
-
-    def _require_lora(self, field: str) -> LoRAManager:
-        if self.lora is None:
-            raise InvalidRequestError(field, None, "LoRA is not enabled on this engine (start it with --enable-lora)")
-        return self.lora
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Abort requests in any state; their blocks are free on return."""

@@ -1,0 +1,82 @@
+"""Request validation of an EngineCore: every field checked before a request is queued."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tandem.protocol.outputs import EngineCoreRequest
+from tandem.protocol.sampling_params import InvalidRequestError
+
+
+class RequestValidation:
+    """Mixed into EngineCore (its model_config, config, max_model_len, lora, sessions)."""
+
+    model_config: Any
+    config: Any
+    max_model_len: int
+    lora: Any
+    _check_session: Callable[[EngineCoreRequest], None]  # Sessions'
+
+    def validate_request(self, req: EngineCoreRequest) -> None:
+        """Raise InvalidRequestError naming the bad field; safe to call from any thread."""
+        if not req.request_id:
+            raise InvalidRequestError("request_id", req.request_id, "must not be empty")
+        prompt = req.prompt_token_ids
+        if not prompt:
+            raise InvalidRequestError("prompt_token_ids", prompt, "the prompt is empty")
+        if len(prompt) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt_token_ids",
+                f"<{len(prompt)} tokens>",
+                f"prompt of {len(prompt)} tokens leaves no room to generate within "
+                f"max_model_len={self.max_model_len}",
+            )
+        vocab = self.model_config.vocab_size
+        lo, hi = min(prompt), max(prompt)
+        if lo < 0 or hi >= vocab:
+            bad = lo if lo < 0 else hi
+            index = prompt.index(bad)
+            raise InvalidRequestError(
+                f"prompt_token_ids[{index}]", bad, f"token id outside the vocabulary [0, {vocab})"
+            )
+        if req.generated_token_ids:
+            self._check_continuation(req)
+        if req.resumable:
+            self._check_session(req)
+        if req.pooling_params is not None:
+            req.pooling_params.validate(self.model_config.hidden_size)
+        else:
+            req.sampling_params.validate(vocab, self.config.max_logprobs)
+        if req.lora_request is not None:
+            if self.lora is None:
+                raise InvalidRequestError(
+                    "lora_request", req.lora_request.lora_name,
+                    "LoRA is not enabled on this engine (start it with --enable-lora)",
+                )
+            req.lora_request.validate()
+
+    def _check_continuation(self, req: EngineCoreRequest) -> None:
+        """A migrated request's output so far must fit and leave something to generate."""
+        generated, params = req.generated_token_ids, req.sampling_params
+        field = "generated_token_ids"
+        if req.pooling_params is not None or req.resumable or params.prompt_logprobs is not None:
+            raise InvalidRequestError(
+                field, f"<{len(generated)} tokens>", "a continuation takes no pooling, session or prompt logprobs"
+            )
+        total = len(req.prompt_token_ids) + len(generated)
+        if total >= self.max_model_len:
+            raise InvalidRequestError(
+                field, f"<{len(generated)} tokens>",
+                f"prompt and generated tokens ({total}) leave no room within max_model_len={self.max_model_len}",
+            )
+        if params.max_tokens is not None and len(generated) >= params.max_tokens:
+            raise InvalidRequestError(
+                field, f"<{len(generated)} tokens>", f"already max_tokens={params.max_tokens} tokens: nothing left"
+            )
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in generated if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(
+                f"{field}[{generated.index(bad)}]", bad, f"token id outside the vocabulary [0, {vocab})"
+            )
