@@ -331,6 +331,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
         ids = [rid for rid in client.request_ids if self.owner.get(rid) == client.client_id]
         client.request_ids.clear()
         if ids:
+            logger.info("local client %d left; aborting %s", client.client_id, ", ".join(ids))
             for rid in ids:
                 del self.owner[rid]
             self.engine_loop.abort_requests(ids)

@@ -137,6 +137,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         for owned in [r for r in engine.owner if r in wanted or convert.call_id_of(r) in wanted]:
             client = engine.owner_client(owned)
             if client is not None and client.local:  # never a tandem.v1 frontend's request
+                logger.info("Abort: aborting %s", owned)
                 engine.abort_owned(client, [owned])
         return vllm_engine_pb2.AbortResponse()
 
