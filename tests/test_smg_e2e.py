@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e_helpers import Stack, free_port, start_engine, start_frontend
-from tests.smg_helpers import SmgGateway, smg_executable
+from benchmarks.smg_peer import SmgGateway, smg_executable
+from tests.e2e_helpers import Stack, free_port, launch, start_engine, start_frontend
 
 pytestmark = pytest.mark.skipif(smg_executable() is None, reason="the smg wheel is not installed (pip install smg)")
 
@@ -85,7 +85,7 @@ def smg_stack(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> 
         started.append(frontend)
         for engine in engines:
             engine.wait_serving()
-        smg = SmgGateway.launch(tiny_llama_dir, [e.address for e in engines], log_dir)
+        smg = SmgGateway.launch(tiny_llama_dir, [e.address for e in engines], log_dir, spawn=launch)
         started.append(smg)
         frontend.wait_serving()
         smg.wait_ready()

@@ -1,19 +1,28 @@
-"""SMG (the ``smg`` wheel's gateway) in front of Tandem engines, as a test or benchmark peer."""
+"""SMG (the ``smg`` wheel's gateway, ``pip install smg``) in front of Tandem engines, which
+it drives over vllm.grpc.engine.VllmEngine: a peer for tests/test_smg_e2e.py and
+benchmarks/smg_serving.py."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.e2e_helpers import START_TIMEOUT, free_port, launch
+START_TIMEOUT = 120.0  # seconds for SMG to register, probe and activate every worker
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def smg_executable() -> str | None:
@@ -37,8 +46,9 @@ class SmgGateway:
     @classmethod
     def launch(
         cls, model_dir: str, engine_addresses: Sequence[str], log_dir: Path, policy: str = "cache_aware",
-        extra_args: Sequence[str] = (),
+        extra_args: Sequence[str] = (), spawn: Callable[..., subprocess.Popen[bytes]] = subprocess.Popen,
     ) -> SmgGateway:
+        """``spawn``: how to start the process (tests pass one that kills it with them)."""
         exe = smg_executable()
         if exe is None:
             raise FileNotFoundError("the smg wheel is not installed (pip install smg)")
@@ -52,7 +62,7 @@ class SmgGateway:
         ]
         log_path = log_dir / "smg.log"
         with open(log_path, "wb") as log:
-            proc = launch(args, stdout=log, stderr=subprocess.STDOUT)
+            proc = spawn(args, stdout=log, stderr=subprocess.STDOUT)
         return cls(proc, f"http://127.0.0.1:{port}", log_path, len(engine_addresses), prometheus_port)
 
     def log_tail(self, chars: int = 3000) -> str:
