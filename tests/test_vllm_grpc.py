@@ -20,7 +20,7 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb
 from engine_service.config import EngineConfig
 from engine_service.kv_cache.block_pool import hash_block_tokens
 from engine_service.vllm_grpc import convert
-from engine_service.vllm_grpc.kv_events import hash_to_int64
+from engine_service.vllm_grpc.kv_events import KvEventLog, hash_to_int64
 from tandem.protocol import convert as tandem_convert
 from tandem.protocol.outputs import EngineCoreRequest
 from tandem.protocol.sampling_params import InvalidRequestError, SamplingParams
@@ -344,3 +344,14 @@ def test_subscribe_kv_events_reports_stored_blocks_with_tokens_and_the_clear(eng
     assert [list(b.token_ids) for _, b in blocks] == [prompt[:BLOCK], prompt[BLOCK : 2 * BLOCK]]
     assert blocks[0][0] is None and blocks[1][0] == blocks[0][1].block_hash
     assert blocks[0][1].block_hash == hash_to_int64(hash_block_tokens(None, prompt[:BLOCK]))
+
+
+def test_kv_event_log_stays_bounded_without_readers() -> None:
+    log = KvEventLog(BLOCK, max_batches=3, max_batch_events=4)
+    for i in range(100):
+        log.stored(i.to_bytes(8, "big"), None, [i] * BLOCK)
+    batches = log.batches_after(0)
+    assert [len(b.events) for b in batches] == [4, 4, 4]
+    assert batches[-1].sequence_number == 25  # the oldest were dropped, numbering went on
+    msg = log.to_proto(batches[-1])
+    assert [e.stored.blocks[0].block_hash for e in msg.events] == [96, 97, 98, 99]

@@ -4,8 +4,9 @@
 the step thread records block-stored / block-removed / cleared events under a lock;
 readers (each ``SubscribeKvEvents`` call, on the event loop) seal what is pending into
 a numbered batch and read the batches after their cursor. The log keeps the last
-``max_batches`` batches, so a new subscriber gets the cache's history as far as it
-reaches (normally all of it: replaying stores and removals rebuilds the current state).
+``max_batches`` batches (memory stays bounded with no reader), so a new subscriber gets
+the cache's history as far as it reaches: replaying stores and removals rebuilds the
+current state when it reaches back to the start.
 
 Block hashes are the engine's SHA-256 chain hashes cut to their first 8 bytes as a
 signed int64 (the proto's type); stored events carry each block's token ids too, which
@@ -58,8 +59,11 @@ class KvEventLog:
     """Thread-safe: ``stored`` / ``removed`` / ``cleared`` from the step thread,
     ``batches_after`` from any reader."""
 
-    def __init__(self, block_size: int, max_batches: int = 4096) -> None:
+    def __init__(self, block_size: int, max_batches: int = 1024, max_batch_events: int = 256) -> None:
+        """At most ``max_batches`` x ``max_batch_events`` events are kept: with no reader,
+        pending events are sealed every ``max_batch_events`` and the oldest batches drop."""
         self.block_size = block_size
+        self.max_batch_events = max_batch_events
         self._lock = threading.Lock()
         self._pending: list[tuple[int, _Event]] = []
         self._batches: deque[SealedBatch] = deque(maxlen=max_batches)
@@ -81,6 +85,8 @@ class KvEventLog:
     def _record(self, event: _Event) -> None:
         with self._lock:
             self._pending.append((next(self._event_ids), event))
+            if len(self._pending) >= self.max_batch_events:
+                self._seal_locked()
 
     # ---- readers ---------------------------------------------------------------------
 
