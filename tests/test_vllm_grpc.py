@@ -20,9 +20,10 @@ from smg_grpc_proto.generated import common_pb2, vllm_engine_pb2, vllm_engine_pb
 from engine_service.config import EngineConfig
 from engine_service.kv_cache.block_pool import hash_block_tokens
 from engine_service.vllm_grpc import convert
+from engine_service.vllm_grpc.errors import CallFailed, status_of
 from engine_service.vllm_grpc.kv_events import KvEventLog, hash_to_int64
 from tandem.protocol import convert as tandem_convert
-from tandem.protocol.outputs import EngineCoreRequest
+from tandem.protocol.outputs import EngineCoreRequest, ErrorCode, RequestError
 from tandem.protocol.sampling_params import InvalidRequestError, SamplingParams
 from tandem.v1 import engine_pb2, engine_pb2_grpc
 from tests.vllm_grpc_harness import ADMIN_METADATA, InProcessEngine
@@ -355,3 +356,19 @@ def test_kv_event_log_stays_bounded_without_readers() -> None:
     assert batches[-1].sequence_number == 25  # the oldest were dropped, numbering went on
     msg = log.to_proto(batches[-1])
     assert [e.stored.blocks[0].block_hash for e in msg.events] == [96, 97, 98, 99]
+
+
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [
+        (ErrorCode.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT),
+        (ErrorCode.RESOURCE_EXHAUSTED, grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (ErrorCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE),
+        (ErrorCode.DEADLINE_EXCEEDED, grpc.StatusCode.DEADLINE_EXCEEDED),
+        (ErrorCode.INTERNAL, grpc.StatusCode.INTERNAL),
+    ],
+)
+def test_engine_refusals_become_the_status_codes_smg_acts_on(code: ErrorCode, status: grpc.StatusCode) -> None:
+    assert status_of(CallFailed.from_request_error(RequestError(code, "why"), "fallback")) == (status, "why")
+    assert status_of(CallFailed.from_request_error(None, "fallback"))[0] == grpc.StatusCode.INTERNAL
+    assert status_of(InvalidRequestError("top_p", 2, "bad"))[0] == grpc.StatusCode.INVALID_ARGUMENT
