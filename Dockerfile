@@ -106,3 +106,16 @@ HEALTHCHECK --interval=10s --timeout=5s --start-period=60s --retries=3 \
     CMD ["python", "-c", "import sys,grpc;from grpc_health.v1 import health_pb2 as p,health_pb2_grpc as g;r=g.HealthStub(grpc.insecure_channel(sys.argv[1])).Check(p.HealthCheckRequest(),timeout=3);sys.exit(r.status!=p.HealthCheckResponse.SERVING)", "127.0.0.1:50051"]
 
 CMD ["tandem", "frontend", "--host", "0.0.0.0", "--port", "50051"]
+
+# ---- smg: the optional SMG front door (docker compose --profile smg; deploy/k8s/optional) ----
+# SMG (Shepherd Model Gateway, a Rust binary in the `smg` wheel) speaks vLLM's gRPC protocol
+# to the engines; it reads the demo checkpoint's tokenizer and chat template from here.
+FROM python:3.11-slim AS smg
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN pip install smg==1.13.0 \
+    && useradd --create-home --uid 10001 --shell /usr/sbin/nologin tandem
+COPY --from=demo-tokenizer --chown=tandem:tandem /tmp/demo-tokenizer /models/demo
+USER tandem
+WORKDIR /home/tandem
+EXPOSE 30000
+CMD ["smg", "launch", "--backend", "vllm", "--host", "0.0.0.0", "--port", "30000", "--model-path", "/models/demo", "--policy", "cache_aware", "--worker-urls", "grpc://engine-0:50061", "grpc://engine-1:50061"]

@@ -966,6 +966,7 @@ class LaunchedStack:
     def __init__(self, model: str, engines: int, engine_args: Sequence[str], log_path: str) -> None:
         self.port = free_port()
         base = free_port_range(engines)
+        self.engine_addresses = [f"127.0.0.1:{base + i}" for i in range(engines)]
         self.target = f"127.0.0.1:{self.port}"
         self.http_port = free_port()
         self.base_url = f"http://127.0.0.1:{self.http_port}"  # the OpenAI-compatible API

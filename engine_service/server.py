@@ -26,6 +26,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from opentelemetry.trace import SpanKind, Status, StatusCode
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from engine_service.config import EngineConfig
 from engine_service.core import EngineCore
@@ -34,6 +35,9 @@ from engine_service.cpu import keep_freed_memory_mapped
 from engine_service.lifecycle import add_lifecycle_cli, run_until_stopped
 from engine_service.metrics import EngineMetrics, StatsLogger
 from engine_service.tracing import RequestSpanEmitter
+from engine_service.vllm_grpc.kv_events import KvEventLog
+from engine_service.vllm_grpc.servicer import SERVICE_NAME as VLLM_SERVICE_NAME
+from engine_service.vllm_grpc.servicer import VllmEngineServicer
 from tandem import telemetry
 from tandem.grpc_guard import MalformedRequestGuard
 from tandem.grpc_server import BindError, MessageLimits, ServiceServer, add_health_port_cli
@@ -43,6 +47,7 @@ from tandem.protocol.fingerprint import tokenizer_fingerprint
 from tandem.protocol.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
+    EngineCoreRequest,
     ErrorCode,
     FinishReason,
     RequestError,
@@ -92,13 +97,15 @@ class EngineServerConfig:
 
 @dataclass
 class _Client:
-    """One connected frontend stream."""
+    """One connected frontend stream, or (``local``) an in-process reader such as one
+    VllmEngine call: a local client's outbox gets the domain ``EngineCoreOutputs`` of
+    its requests instead of tandem.v1 messages, and no drain notices (its adds are
+    refused while draining all the same)."""
 
     client_id: int
-    outbox: asyncio.Queue[engine_pb2.EngineCoreOutputs | None] = field(
-        default_factory=asyncio.Queue
-    )
+    outbox: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     request_ids: set[str] = field(default_factory=set)
+    local: bool = False
 
 
 class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
@@ -237,7 +244,12 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
                 finished_requests={o.request_id for o in outputs if o.finished} or None,
                 draining=self.draining,
             )
-            self.clients[cid].outbox.put_nowait(convert.engine_core_outputs_to_proto(step))
+            client = self.clients[cid]
+            if client.local:
+                if outputs:
+                    client.outbox.put_nowait(step)
+            else:
+                client.outbox.put_nowait(convert.engine_core_outputs_to_proto(step))
         self._note_if_drained()
 
     def _on_dead(self, dead: EngineDead) -> None:
@@ -246,7 +258,8 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
         self.dead = dead
         msg = convert.engine_dead_outputs(self.core.engine_index, dead.message, time.time())
         for client in self.clients.values():
-            client.outbox.put_nowait(msg)
+            if not client.local:  # a local reader finds ``self.dead`` at the None
+                client.outbox.put_nowait(msg)
             client.outbox.put_nowait(None)
         self.died.set()
 
@@ -259,7 +272,8 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
         self.draining = True
         logger.info("engine %d draining: %d requests in flight", self.core.engine_index, len(self.owner))
         for client in self.clients.values():
-            client.outbox.put_nowait(self._draining_message())
+            if not client.local:
+                client.outbox.put_nowait(self._draining_message())
         self._note_if_drained()
 
     def abort_all(self, message: str) -> int:
@@ -300,7 +314,39 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
 
     def _send_error(self, client: _Client, rid: str, error: RequestError) -> None:
         step = EngineCoreOutputs.refusal(self.core.engine_index, rid, error, draining=self.draining)
-        client.outbox.put_nowait(convert.engine_core_outputs_to_proto(step))
+        client.outbox.put_nowait(step if client.local else convert.engine_core_outputs_to_proto(step))
+
+    # ---- in-process readers (engine_service/vllm_grpc) ------------------------------
+
+    def open_local_client(self) -> _Client:
+        """A client whose outbox gets domain outputs; close it with ``close_local_client``."""
+        client = _Client(next(self._client_ids), local=True)
+        self.clients[client.client_id] = client
+        return client
+
+    def close_local_client(self, client: _Client) -> None:
+        """Forget ``client`` and abort what it still runs; nobody reads their outputs
+        (idempotent)."""
+        self.clients.pop(client.client_id, None)
+        ids = [rid for rid in client.request_ids if self.owner.get(rid) == client.client_id]
+        client.request_ids.clear()
+        if ids:
+            logger.info("local client %d left; aborting %s", client.client_id, ", ".join(ids))
+            for rid in ids:
+                del self.owner[rid]
+            self.engine_loop.abort_requests(ids)
+            self._note_if_drained()
+
+    def abort_owned(self, client: _Client, request_ids: list[str]) -> None:
+        """Abort those of ``request_ids`` that ``client`` runs; their ABORT outputs still
+        reach it. Unknown or finished ids are ignored: a second abort is a no-op."""
+        ids = [rid for rid in request_ids if self.owner.get(rid) == client.client_id]
+        if ids:
+            self.engine_loop.abort_requests(ids)
+
+    def owner_client(self, request_id: str) -> _Client | None:
+        cid = self.owner.get(request_id)
+        return None if cid is None else self.clients.get(cid)
 
     # ---- RPCs ---------------------------------------------------------------------
 
@@ -364,18 +410,27 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             client.outbox.put_nowait(None)
 
     def _add(self, client: _Client, msg: engine_pb2.EngineCoreRequest) -> None:
-        if self.draining:
-            self._send_error(client, msg.request_id, RequestError(ErrorCode.UNAVAILABLE, self._draining_reason()))
-            return
         try:
             request = convert.engine_core_request_from_proto(msg)
+        except convert.ConversionError as exc:
+            self._send_error(client, msg.request_id, RequestError(ErrorCode.INVALID_ARGUMENT, str(exc)))
+            return
+        self.add_request(client, request)
+
+    def add_request(self, client: _Client, request: EngineCoreRequest) -> None:
+        """Admit one domain request for ``client``; a refusal arrives on its outbox as
+        an ERROR output (UNAVAILABLE while draining, INVALID_ARGUMENT on bad input)."""
+        if self.draining:
+            self._send_error(client, request.request_id, RequestError(ErrorCode.UNAVAILABLE, self._draining_reason()))
+            return
+        try:
             self.core.validate_request(request)
             rid = request.request_id
             next_turn = request.resumable and rid in self.idle_sessions and self.owner.get(rid) == client.client_id
             if rid in self.owner and not next_turn:
                 raise InvalidRequestError("request_id", rid, "already running")
-        except (InvalidRequestError, convert.ConversionError) as exc:
-            self._send_error(client, msg.request_id, RequestError(ErrorCode.INVALID_ARGUMENT, str(exc)))
+        except InvalidRequestError as exc:
+            self._send_error(client, request.request_id, RequestError(ErrorCode.INVALID_ARGUMENT, str(exc)))
             return
         request.received_time = time.monotonic()  # queue time counts from here
         if request.resumable:
@@ -444,8 +499,6 @@ def _warm_up(core: EngineCore) -> None:
     2048-token step took 2.7 s against 1.6 s warm. The warm-up's prompt is dropped
     from the prefix cache afterwards.
     """
-    from tandem.protocol.outputs import EngineCoreRequest
-
     n = max(1, min(core.config.max_num_batched_tokens, core.max_model_len - 2))
     prompt = [i % core.model_config.vocab_size for i in range(1, n + 1)]
     core.add_request(
@@ -499,7 +552,7 @@ async def _serve_engine(
         health_port=server_config.health_port,
     )
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    server.enable_reflection((SERVICE_NAME,))
+    server.enable_reflection((SERVICE_NAME, VLLM_SERVICE_NAME))
     bound = server.port
     sec = server_config.security
     if not (sec.engine_token or sec.tls.ca) and server_config.host not in LOOPBACK_HOSTS:
@@ -509,7 +562,9 @@ async def _serve_engine(
         )
     servicer = EngineServicer(engine_config.model, tracing, metrics, stats_logger)
     engine_pb2_grpc.add_EngineCoreServicer_to_server(servicer, server)
-    service_health = ServiceHealth(health_servicer, SERVICE_NAME)
+    kv_events = KvEventLog(engine_config.block_size) if engine_config.enable_prefix_caching else None
+    vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(servicer, kv_events), server)
+    service_health = ServiceHealth(health_servicer, SERVICE_NAME, VLLM_SERVICE_NAME)
     await service_health.loading()
     await server.start()  # health answers NOT_SERVING while the model loads
     logger.info("engine %d listening on %s:%d", server_config.engine_index, server_config.host, bound)
@@ -528,6 +583,7 @@ async def _serve_engine(
         core = EngineCore(engine_config, server_config.engine_index, tracer)
         with tracer.start_as_current_span("warm_up") if tracer is not None else contextlib.nullcontext():
             _warm_up(core)
+        core.kv_manager.pool.events = kv_events  # after the warm-up: its blocks are no news
         return core
 
     with startup:  # model load, KV-cache allocation and warm-up as child spans

@@ -26,9 +26,10 @@ class ServiceHealth:
     Every method runs on the server's event loop (the health servicer is asyncio's).
     """
 
-    def __init__(self, servicer: health.aio.HealthServicer, service_name: str) -> None:
+    def __init__(self, servicer: health.aio.HealthServicer, service_name: str, *more_names: str) -> None:
+        """``more_names``: other services on the same port that follow readiness too."""
         self.servicer = servicer
-        self._readiness_names = (READINESS, "", service_name)
+        self._readiness_names = (READINESS, "", service_name, *more_names)
 
     async def _set(self, live: int, ready: int) -> None:
         await self.servicer.set(LIVENESS, live)

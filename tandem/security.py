@@ -45,6 +45,12 @@ METHOD_ACCESS: Mapping[str, Access] = {
     # Utility calls ride on Stream, so only authenticated frontends can make them.
     "tandem.v1.EngineCore/Stream": Access.FRONTEND,
     "tandem.v1.EngineCore/GetEngineInfo": Access.FRONTEND,
+    # vLLM's gRPC protocol (engine_service/vllm_grpc): a gateway such as SMG is a frontend;
+    # what changes the engine's state for everyone is for operators.
+    "vllm.grpc.engine.VllmEngine": Access.FRONTEND,
+    "vllm.grpc.engine.VllmEngine/FlushCache": Access.ADMIN,
+    "vllm.grpc.engine.VllmEngine/StartProfile": Access.ADMIN,
+    "vllm.grpc.engine.VllmEngine/StopProfile": Access.ADMIN,
 }
 
 AUTHORIZATION_HEADER = "authorization"  # value: "Bearer <admin token>"

@@ -79,3 +79,21 @@ def test_roofline_is_reported(smoke_run: tuple[str, dict]) -> None:
     # The bound rests on rates measured in the same run, so only its sign is certain.
     assert roof["workload_seconds"] > 0 and roof["tandem_fraction"] > 0
     assert "roofline for this workload" in stdout
+
+
+def test_smg_serving_benchmark_runs_both_front_doors(tmp_path: Path) -> None:
+    from benchmarks.smg_peer import smg_executable
+
+    if smg_executable() is None:
+        pytest.skip("the smg wheel is not installed (pip install smg)")
+    out = tmp_path / "smg.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.smg_serving", "--smoke", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["front_door"] for r in runs] == ["tandem frontend", "smg (cache_aware)"]
+    for run in runs:
+        assert run["summary"]["completed"] == run["summary"]["num_requests"] == 4
+        assert run["summary"]["output_throughput"] > 0

@@ -47,6 +47,7 @@ PROMETHEUS_FILE = ROOT / "deploy" / "prometheus.yml"
 
 FRONTEND, ENGINES = "frontend", ("engine-0", "engine-1")
 COLLECTOR, JAEGER, PROMETHEUS = "otel-collector", "jaeger", "prometheus"
+SMG = "smg"  # the optional SMG front door (compose profile "smg")
 TANDEM_SERVICES = (FRONTEND, *ENGINES)
 # The Dockerfile target each tandem service runs, and the subcommand that target's CMD runs.
 TARGETS = {FRONTEND: "frontend", **dict.fromkeys(ENGINES, "engine")}
@@ -144,7 +145,7 @@ def _published(service: dict[str, Any]) -> dict[int, int]:
 
 
 def test_services_are_the_stack(services: dict[str, dict[str, Any]], stages: dict[str, Stage]) -> None:
-    assert set(services) == {*TANDEM_SERVICES, COLLECTOR, JAEGER, PROMETHEUS}
+    assert set(services) == {*TANDEM_SERVICES, COLLECTOR, JAEGER, PROMETHEUS, SMG}
     images: dict[str, set[str]] = {}
     for name, target in TARGETS.items():
         build = services[name]["build"]
@@ -323,10 +324,43 @@ def test_health_probe_reports_serving_only(stages: dict[str, Stage]) -> None:
 
 def test_only_public_ports_are_published(services: dict[str, dict[str, Any]]) -> None:
     published = {name: _published(s) for name, s in services.items() if s.get("ports")}
-    assert set(published) == {FRONTEND, JAEGER, PROMETHEUS}, published
+    assert set(published) == {FRONTEND, JAEGER, PROMETHEUS, SMG}, published
+    assert published[SMG] == {30000: 30000}
     assert published[FRONTEND] == {50051: _grpc_port(services[FRONTEND]), 8080: _args(services[FRONTEND]).http_port}
     assert published[JAEGER] == {16686: 16686}
     assert published[PROMETHEUS] == {9090: 9090}
+
+
+def _smg_launch(argv: list[str]) -> argparse.Namespace:
+    assert argv[:2] == ["smg", "launch"], argv
+    p = argparse.ArgumentParser()
+    for flag in ("--backend", "--host", "--port", "--model-path", "--policy"):
+        p.add_argument(flag)
+    p.add_argument("--worker-urls", nargs="+")
+    return p.parse_args(argv[2:])
+
+
+def test_smg_is_an_optional_front_door_over_every_engine(
+    services: dict[str, dict[str, Any]], stages: dict[str, Stage]
+) -> None:
+    """SMG runs only with `--profile smg`, speaks vLLM's gRPC protocol to every engine's
+    gRPC port, reads the engines' checkpoint's tokenizer, and is the smg pyproject pins."""
+    smg = services[SMG]
+    assert smg["profiles"] == ["smg"] and smg["build"]["target"] == "smg"
+    assert all("profiles" not in services[name] for name in services if name != SMG)
+    (cmd,) = stages["smg"].args("CMD")
+    for argv in (smg["command"], exec_form(cmd)):
+        args = _smg_launch(argv)
+        assert args.backend == "vllm" and args.host == "0.0.0.0" and int(args.port) == 30000
+        assert args.model_path == _args(services[FRONTEND]).model
+        assert sorted(args.worker_urls) == sorted(f"grpc://{e}:{_grpc_port(services[e])}" for e in ENGINES)
+    for name in ENGINES:
+        assert smg["depends_on"][name]["condition"] == "service_healthy"
+    pins = [w for run in stages["smg"].args("RUN") for w in shlex.split(run) if w.startswith("smg==")]
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert pins and all(f'"{pin}"' in pyproject for pin in pins), pins
+    users = stages["smg"].args("USER")
+    assert users and users[-1] not in {"root", "0"}
 
 
 # ---- tracing --------------------------------------------------------------------------------

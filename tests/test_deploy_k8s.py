@@ -452,3 +452,32 @@ def test_clients_reach_the_frontends(manifests: list[Manifest]) -> None:
     assert metrics_rule["from"]
     for rule in policy["spec"]["ingress"]:
         assert all(p["port"] in frontend_ports for p in rule["ports"])
+
+
+# ---- optional: SMG as a second front door ----------------------------------------------------
+
+
+def test_optional_smg_reaches_every_engine_replica(manifests: list[Manifest], namespace: str) -> None:
+    """deploy/k8s/optional/smg.yaml: one worker URL per engine replica, by the StatefulSet
+    pods' stable names under the headless Service, on the engines' gRPC port; its network
+    policy lets exactly the SMG pods into that port; it mounts the frontends' client cert."""
+    docs = _docs(K8S / "optional" / "smg.yaml")
+    deployment = _one(docs, "Deployment", "tandem-smg")
+    engine = _workload(manifests, "engine")
+    headless = _service_for(manifests, "engine")
+    argv = _container(deployment)["command"]
+    assert argv[:2] == ["smg", "launch"] and argv[argv.index("--backend") + 1] == "vllm"
+    urls = argv[argv.index("--worker-urls") + 1 :]
+    port = _args(engine, manifests).port
+    host = f"{headless['metadata']['name']}.{namespace}.{CLUSTER_DOMAIN}"
+    assert urls == [
+        f"grpc://{engine['metadata']['name']}-{i}.{host}:{port}" for i in range(engine["spec"]["replicas"])
+    ]
+    policy = _one(docs, "NetworkPolicy")
+    assert _selects(policy["spec"]["podSelector"]["matchLabels"], _pod_labels(engine))
+    (rule,) = policy["spec"]["ingress"]
+    assert _selects(rule["from"][0]["podSelector"]["matchLabels"], _pod_labels(deployment))
+    assert [p["port"] for p in rule["ports"]] == ["grpc"]
+    frontend_secrets = set(_secret_files(_workload(manifests, "frontend")).values())
+    smg_secrets = set(_secret_files(deployment).values())
+    assert smg_secrets and smg_secrets <= frontend_secrets

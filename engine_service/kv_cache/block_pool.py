@@ -12,6 +12,21 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Iterable, Sequence
+from typing import Protocol
+
+
+class BlockEventSink(Protocol):
+    """Hears the prefix cache change (engine_service/vllm_grpc/kv_events.py publishes
+    it). Called on the engine's step thread, so it must only record and return."""
+
+    def stored(self, block_hash: bytes, parent_hash: bytes | None, token_ids: Sequence[int]) -> None:
+        """A full block became a prefix-cache entry."""
+
+    def removed(self, block_hash: bytes) -> None:
+        """A cached block was evicted (its slot reused for other tokens)."""
+
+    def cleared(self) -> None:
+        """Every entry was dropped at once (reset_prefix_cache)."""
 
 
 class KVCacheBlock:
@@ -106,6 +121,7 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached_blocks: dict[bytes, KVCacheBlock] = {}
+        self.events: BlockEventSink | None = None  # set: told of every cache entry change
 
     @property
     def num_free_blocks(self) -> int:
@@ -147,19 +163,32 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
 
-    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
-        """Register a full, computed block under its hash (first writer wins)."""
+    def cache_block(
+        self,
+        block: KVCacheBlock,
+        block_hash: bytes,
+        parent_hash: bytes | None = None,
+        token_ids: Sequence[int] = (),
+    ) -> None:
+        """Register a full, computed block under its hash (first writer wins).
+
+        ``parent_hash`` / ``token_ids``: the previous block's hash and this block's
+        tokens, passed on to ``events`` only."""
         if not self.enable_caching or block.block_hash is not None:
             return
         if block_hash in self.cached_blocks:
             return  # an identical block is already cached; this one stays private
         block.block_hash = block_hash
         self.cached_blocks[block_hash] = block
+        if self.events is not None:
+            self.events.stored(block_hash, parent_hash, token_ids)
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             if self.cached_blocks.get(block.block_hash) is block:
                 del self.cached_blocks[block.block_hash]
+                if self.events is not None:
+                    self.events.removed(block.block_hash)
             block.block_hash = None
 
     def reset_prefix_cache(self) -> int:
@@ -168,6 +197,8 @@ class BlockPool:
         for block in self.cached_blocks.values():
             block.block_hash = None
         self.cached_blocks.clear()
+        if self.events is not None:
+            self.events.cleared()
         return count
 
     def check_invariants(self) -> None:

@@ -108,8 +108,14 @@ class KVCacheManager:
         blocks = self.req_blocks.get(request.request_id, [])
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
         start = self.num_registered.get(request.request_id, 0)
+        hashes, bs = request.block_hashes, self.block_size
         for i in range(start, num_full):
-            self.pool.cache_block(blocks[i], request.block_hashes[i])
+            if self.pool.events is None:
+                self.pool.cache_block(blocks[i], hashes[i])
+            else:
+                parent = hashes[i - 1] if i else None
+                tokens = request.all_token_ids[i * bs : (i + 1) * bs]
+                self.pool.cache_block(blocks[i], hashes[i], parent, tokens)
         self.num_registered[request.request_id] = max(start, num_full)
 
     def free(self, request: Request) -> None:
