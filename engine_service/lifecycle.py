@@ -24,7 +24,8 @@ from tandem.signals import StopSignals, first_of
 
 if TYPE_CHECKING:
     from engine_service.core_loop import EngineCoreLoop
-    from engine_service.server import EngineServerConfig, EngineServicer
+    from engine_service.server import EngineServerConfig
+    from engine_service.servicer import EngineServicer
 
 logger = logging.getLogger(__name__)
 

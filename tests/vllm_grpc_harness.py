@@ -15,7 +15,7 @@ from engine_service.config import EngineConfig
 from engine_service.core import EngineCore
 from engine_service.core_loop import EngineCoreLoop
 from engine_service.metrics import EngineMetrics
-from engine_service.server import MESSAGE_LIMITS, EngineServicer
+from engine_service.servicer import MESSAGE_LIMITS, EngineServicer
 from engine_service.vllm_grpc.kv_events import KvEventLog
 from engine_service.vllm_grpc.servicer import VllmEngineServicer
 from tandem.grpc_server import ServiceServer

@@ -32,7 +32,7 @@ from engine_service.vllm_grpc.tokenizer_files import tokenizer_chunks, tokenizer
 from tandem.protocol.outputs import EngineCoreOutputs, FinishReason
 
 if TYPE_CHECKING:
-    from engine_service.server import EngineServicer, _Client
+    from engine_service.servicer import EngineServicer, _Client
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,447 @@
+"""The engine's ``tandem.v1.EngineCore`` servicer: frontends' streams in, step outputs out.
+
+One ``_Client`` per connected frontend stream (or in-process reader, such as a
+``VllmEngine`` call); requests go to the core loop's queue, and a pump thread turns each
+step's ``EngineCoreOutputs`` into one protobuf message per client, then feeds the
+metrics, the stats log and the request spans (all off the step loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from engine_service.core import EngineCore
+from engine_service.core_loop import EngineCoreLoop, EngineDead, UtilityCall
+from engine_service.metrics import EngineMetrics, StatsLogger
+from engine_service.tracing import RequestSpanEmitter
+from tandem.grpc_server import MessageLimits
+from tandem.protocol import convert
+from tandem.protocol.fingerprint import tokenizer_fingerprint
+from tandem.protocol.outputs import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    ErrorCode,
+    FinishReason,
+    RequestError,
+)
+from tandem.protocol.sampling_params import InvalidRequestError
+from tandem.telemetry import Tracing
+from tandem.v1 import engine_pb2, engine_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineCore"].full_name
+# Requests carry token ids and outputs carry logprobs: far below this at any max_model_len.
+MESSAGE_LIMITS = MessageLimits(max_receive_bytes=64 * 1024 * 1024, max_send_bytes=64 * 1024 * 1024)
+
+# Finish reasons that end a streaming-input session's turn, not the session.
+_TURN_ENDS = (FinishReason.STOP, FinishReason.LENGTH)
+
+
+@dataclass
+class _Client:
+    """One connected frontend stream, or (``local``) an in-process reader such as one
+    VllmEngine call: a local client's outbox gets the domain ``EngineCoreOutputs`` of
+    its requests instead of tandem.v1 messages, and no drain notices (its adds are
+    refused while draining all the same)."""
+
+    client_id: int
+    outbox: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    request_ids: set[str] = field(default_factory=set)
+    local: bool = False
+
+
+class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
+    """Registered before the model loads; RPCs answer UNAVAILABLE until ``attach``."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        tracing: Tracing | None = None,
+        metrics: EngineMetrics | None = None,
+        stats_logger: StatsLogger | None = None,
+    ) -> None:
+        self.core: EngineCore = None  # type: ignore[assignment]  # set by attach()
+        self.tracing = tracing
+        self.metrics = metrics
+        self.stats_logger = stats_logger
+        self.span_emitter: RequestSpanEmitter | None = None  # set by attach() when tracing
+        self._utility_spans: dict[int, Any] = {}  # internal call id -> open span
+        self.engine_loop: EngineCoreLoop = None  # type: ignore[assignment]
+        self.model_dir = model_dir
+        self.fingerprint = tokenizer_fingerprint(model_dir)
+        self.clients: dict[int, _Client] = {}
+        self.owner: dict[str, int] = {}  # request id -> client id
+        # Streaming-input sessions: their turns end without ending them (owner kept);
+        # ``idle_sessions`` are between turns, waiting for the next add or an abort.
+        self.resumable: set[str] = set()
+        self.idle_sessions: set[str] = set()
+        # internal call id -> a local waiter, or (client id, the client's own call id)
+        self.pending_utility: dict[int, asyncio.Future[object] | tuple[int, int]] = {}
+        self._client_ids = itertools.count()
+        self._call_ids = itertools.count(1)
+        self.aio_loop: asyncio.AbstractEventLoop | None = None
+        self.dead: EngineDead | None = None
+        self.died = asyncio.Event()
+        # Graceful shutdown: once ``draining``, new adds are refused (UNAVAILABLE) and
+        # every message says so; ``drained`` is set when no accepted request is left.
+        self.draining = False
+        self.drained = asyncio.Event()
+
+    def attach(self, core: EngineCore, loop: EngineCoreLoop) -> None:
+        self.core = core
+        self.engine_loop = loop
+        if self.tracing is not None:
+            self.span_emitter = RequestSpanEmitter(
+                self.tracing, Path(core.config.model).name, core.engine_index
+            )
+
+    async def _require_ready(self, context: grpc.aio.ServicerContext) -> None:
+        if self.core is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is still loading its model")
+        if self.dead is not None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, self.dead.message)
+
+    # ---- the output pump (its own thread) -------------------------------------
+
+    def start_pump(self, aio_loop: asyncio.AbstractEventLoop) -> None:
+        self.aio_loop = aio_loop
+        threading.Thread(target=self._pump, name="engine-output-pump", daemon=True).start()
+
+    def _pump(self) -> None:
+        assert self.aio_loop is not None
+        stats_logger = self.stats_logger
+        while True:
+            timeout = stats_logger.seconds_until_due() if stats_logger is not None else None
+            try:
+                item = self.engine_loop.outputs.get(timeout=timeout)
+            except queue.Empty:
+                item = None
+            if isinstance(item, EngineDead):
+                self.aio_loop.call_soon_threadsafe(self._on_dead, item)
+                return
+            if item is not None:
+                self.aio_loop.call_soon_threadsafe(self._dispatch, item)
+                self._observe(item)
+            if stats_logger is not None:
+                stats_logger.maybe_log()
+
+    def _observe(self, outs: EngineCoreOutputs) -> None:
+        """Metrics, stats log and request spans of one step (after it went out)."""
+        try:
+            if self.metrics is not None:
+                self.metrics.record(outs)
+            if self.stats_logger is not None:
+                self.stats_logger.record(outs)
+            emitter = self.span_emitter
+            if emitter is not None and outs.iteration_stats is not None:
+                for request in outs.iteration_stats.finished:
+                    emitter.emit(request)
+        except Exception:  # observability must never stop the pump
+            logger.exception("recording metrics/spans failed")
+
+    def _dispatch(self, outs: EngineCoreOutputs) -> None:
+        """Split one step's outputs by owning client; every client gets the stats."""
+        if outs.utility_output is not None:
+            span = self._utility_spans.pop(outs.utility_output.call_id, None)
+            if span is not None:
+                if outs.utility_output.failure_message is not None:
+                    span.set_status(Status(StatusCode.ERROR, outs.utility_output.failure_message))
+                span.end()
+            target = self.pending_utility.pop(outs.utility_output.call_id, None)
+            if isinstance(target, asyncio.Future):
+                if not target.done():
+                    target.set_result(outs.utility_output)
+                return
+            if isinstance(target, tuple) and target[0] in self.clients:
+                utility = convert.utility_output_to_proto(outs.utility_output)
+                utility.call_id = target[1]
+                msg = engine_pb2.EngineCoreOutputs(
+                    engine_index=outs.engine_index, utility_output=utility, timestamp=outs.timestamp,
+                    draining=self.draining,
+                )
+                self.clients[target[0]].outbox.put_nowait(msg)
+            return
+        per_client: dict[int, list[EngineCoreOutput]] = {cid: [] for cid in self.clients}
+        for out in outs.outputs:
+            cid = self.owner.get(out.request_id)
+            if cid is None:
+                continue
+            if cid in per_client:
+                per_client[cid].append(out)
+            if out.finished:
+                if out.request_id in self.resumable and out.finish_reason in _TURN_ENDS:
+                    self.idle_sessions.add(out.request_id)  # the session goes on
+                    continue
+                self.resumable.discard(out.request_id)
+                self.idle_sessions.discard(out.request_id)
+                del self.owner[out.request_id]
+                if cid in self.clients:
+                    self.clients[cid].request_ids.discard(out.request_id)
+        for cid, outputs in per_client.items():
+            step = EngineCoreOutputs(
+                engine_index=outs.engine_index,
+                outputs=outputs,
+                scheduler_stats=outs.scheduler_stats,
+                timestamp=outs.timestamp,
+                finished_requests={o.request_id for o in outputs if o.finished} or None,
+                draining=self.draining,
+            )
+            client = self.clients[cid]
+            if client.local:
+                if outputs:
+                    client.outbox.put_nowait(step)
+            else:
+                client.outbox.put_nowait(convert.engine_core_outputs_to_proto(step))
+        self._note_if_drained()
+
+    def _on_dead(self, dead: EngineDead) -> None:
+        if self.dead is not None:  # the watchdog and the pump may both report it
+            return
+        self.dead = dead
+        msg = convert.engine_dead_outputs(self.core.engine_index, dead.message, time.time())
+        for client in self.clients.values():
+            if not client.local:  # a local reader finds ``self.dead`` at the None
+                client.outbox.put_nowait(msg)
+            client.outbox.put_nowait(None)
+        self.died.set()
+
+    # ---- graceful drain (engine_service/lifecycle.py drives it) ---------------------
+
+    def start_drain(self) -> None:
+        """Take no new request from now on and tell every connected frontend."""
+        if self.draining:
+            return
+        self.draining = True
+        logger.info("engine %d draining: %d requests in flight", self.core.engine_index, len(self.owner))
+        for client in self.clients.values():
+            if not client.local:
+                client.outbox.put_nowait(self._draining_message())
+        self._note_if_drained()
+
+    def abort_all(self, message: str) -> int:
+        """End every accepted request with UNAVAILABLE ``message``; returns how many."""
+        error = RequestError(ErrorCode.UNAVAILABLE, message)
+        left = list(self.owner.items())
+        for rid, cid in left:
+            client = self.clients.get(cid)
+            if client is not None:
+                client.request_ids.discard(rid)
+                self._send_error(client, rid, error)
+        self.owner.clear()  # the core's own ABORT outputs for these then have no owner
+        if left:
+            self.engine_loop.abort_requests([rid for rid, _ in left])
+        self._note_if_drained()
+        return len(left)
+
+    def close_streams(self) -> None:
+        """End every frontend's stream (after the drain; the outboxes flush first)."""
+        for client in self.clients.values():
+            client.outbox.put_nowait(None)
+
+    def fail(self, reason: str) -> None:
+        """The step loop hung (the watchdog's verdict): as if the core had died."""
+        self._on_dead(EngineDead(reason))
+
+    def _draining_reason(self) -> str:
+        return f"engine {self.core.engine_index} is draining"
+
+    def _draining_message(self) -> engine_pb2.EngineCoreOutputs:
+        return engine_pb2.EngineCoreOutputs(
+            engine_index=self.core.engine_index, timestamp=time.monotonic(), draining=True
+        )
+
+    def _note_if_drained(self) -> None:
+        if self.draining and not self.owner:
+            self.drained.set()
+
+    def _send_error(self, client: _Client, rid: str, error: RequestError) -> None:
+        step = EngineCoreOutputs.refusal(self.core.engine_index, rid, error, draining=self.draining)
+        client.outbox.put_nowait(step if client.local else convert.engine_core_outputs_to_proto(step))
+
+    # ---- in-process readers (engine_service/vllm_grpc) ------------------------------
+
+    def open_local_client(self) -> _Client:
+        """A client whose outbox gets domain outputs; close it with ``close_local_client``."""
+        client = _Client(next(self._client_ids), local=True)
+        self.clients[client.client_id] = client
+        return client
+
+    def close_local_client(self, client: _Client) -> None:
+        """Forget ``client`` and abort what it still runs; nobody reads their outputs
+        (idempotent)."""
+        self.clients.pop(client.client_id, None)
+        ids = [rid for rid in client.request_ids if self.owner.get(rid) == client.client_id]
+        client.request_ids.clear()
+        if ids:
+            logger.info("local client %d left; aborting %s", client.client_id, ", ".join(ids))
+            for rid in ids:
+                del self.owner[rid]
+            self.engine_loop.abort_requests(ids)
+            self._note_if_drained()
+
+    def abort_owned(self, client: _Client, request_ids: list[str]) -> None:
+        """Abort those of ``request_ids`` that ``client`` runs; their ABORT outputs still
+        reach it. Unknown or finished ids are ignored: a second abort is a no-op."""
+        ids = [rid for rid in request_ids if self.owner.get(rid) == client.client_id]
+        if ids:
+            self.engine_loop.abort_requests(ids)
+
+    def owner_client(self, request_id: str) -> _Client | None:
+        cid = self.owner.get(request_id)
+        return None if cid is None else self.clients.get(cid)
+
+    # ---- RPCs ---------------------------------------------------------------------
+
+    async def Stream(
+        self,
+        request_iterator: AsyncIterator[engine_pb2.EngineCoreInput],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[engine_pb2.EngineCoreOutputs]:
+        await self._require_ready(context)
+        client = _Client(next(self._client_ids))
+        self.clients[client.client_id] = client
+        if self.draining:
+            client.outbox.put_nowait(self._draining_message())
+        reader = asyncio.ensure_future(self._read_inputs(client, request_iterator, context))
+        try:
+            while True:
+                msg = await client.outbox.get()
+                if msg is None:
+                    break
+                yield msg
+        finally:
+            reader.cancel()
+            self.clients.pop(client.client_id, None)
+            if client.request_ids:
+                # The frontend went away: nobody will read these requests.
+                logger.info("client %d left; aborting %d requests", client.client_id, len(client.request_ids))
+                for rid in client.request_ids:
+                    self.owner.pop(rid, None)
+                self.engine_loop.abort_requests(list(client.request_ids))
+                self._note_if_drained()
+
+    async def _read_inputs(
+        self,
+        client: _Client,
+        inputs: AsyncIterator[engine_pb2.EngineCoreInput],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        try:
+            async for item in inputs:
+                kind = item.WhichOneof("kind")
+                if kind == "add":
+                    self._add(client, item.add)
+                elif kind == "abort":
+                    ids = [rid for rid in item.abort.request_ids if self.owner.get(rid) == client.client_id]
+                    self.engine_loop.abort_requests(ids)
+                elif kind == "utility":
+                    call_id, method, args = convert.utility_call_from_proto(item.utility)
+                    internal = next(self._call_ids)
+                    self.pending_utility[internal] = (client.client_id, call_id)
+                    self._start_utility_span(internal, method)
+                    self.engine_loop.call_utility(UtilityCall(internal, method, tuple(args)))
+                elif kind == "hello" and item.hello.tokenizer_fingerprint not in ("", self.fingerprint):
+                    # Frontends check GetEngineInfo first and refuse; this is for other clients.
+                    logger.warning("client %d has a different tokenizer", client.client_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("engine input stream of client %d failed", client.client_id)
+        finally:
+            # The client half-closed or dropped: end our half too.
+            client.outbox.put_nowait(None)
+
+    def _add(self, client: _Client, msg: engine_pb2.EngineCoreRequest) -> None:
+        try:
+            request = convert.engine_core_request_from_proto(msg)
+        except convert.ConversionError as exc:
+            self._send_error(client, msg.request_id, RequestError(ErrorCode.INVALID_ARGUMENT, str(exc)))
+            return
+        self.add_request(client, request)
+
+    def add_request(self, client: _Client, request: EngineCoreRequest) -> None:
+        """Admit one domain request for ``client``; a refusal arrives on its outbox as
+        an ERROR output (UNAVAILABLE while draining, INVALID_ARGUMENT on bad input)."""
+        if self.draining:
+            self._send_error(client, request.request_id, RequestError(ErrorCode.UNAVAILABLE, self._draining_reason()))
+            return
+        try:
+            self.core.validate_request(request)
+            rid = request.request_id
+            next_turn = request.resumable and rid in self.idle_sessions and self.owner.get(rid) == client.client_id
+            if rid in self.owner and not next_turn:
+                raise InvalidRequestError("request_id", rid, "already running")
+        except InvalidRequestError as exc:
+            self._send_error(client, request.request_id, RequestError(ErrorCode.INVALID_ARGUMENT, str(exc)))
+            return
+        request.received_time = time.monotonic()  # queue time counts from here
+        if request.resumable:
+            self.resumable.add(request.request_id)
+            self.idle_sessions.discard(request.request_id)
+        self.owner[request.request_id] = client.client_id
+        client.request_ids.add(request.request_id)
+        self.engine_loop.add_request(request)
+
+    async def GetEngineInfo(
+        self, request: engine_pb2.GetEngineInfoRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.GetEngineInfoResponse:
+        await self._require_ready(context)
+        core, cfg = self.core, self.core.config
+        return engine_pb2.GetEngineInfoResponse(
+            engine_index=core.engine_index,
+            architecture=core.model_config.architecture,
+            model=cfg.model,
+            served_model_name=Path(cfg.model).name,
+            max_model_len=core.max_model_len,
+            vocab_size=core.model_config.vocab_size,
+            block_size=cfg.block_size,
+            num_kv_blocks=core.num_blocks,
+            num_free_blocks=core.kv_manager.pool.num_free_blocks,
+            num_running_reqs=len(core.scheduler.running),
+            num_waiting_reqs=len(core.scheduler.waiting),
+            tokenizer_fingerprint=self.fingerprint,
+            max_logprobs=cfg.max_logprobs,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            dtype=str(cfg.torch_dtype).removeprefix("torch."),
+            device=str(cfg.torch_device),
+            draining=self.draining,
+        )
+
+    async def ResetPrefixCache(
+        self, request: engine_pb2.ResetPrefixCacheRequest, context: grpc.aio.ServicerContext
+    ) -> engine_pb2.ResetPrefixCacheResponse:
+        await self._require_ready(context)
+        result = await self.call_utility("reset_prefix_cache")
+        return engine_pb2.ResetPrefixCacheResponse(success=result.failure_message is None)
+
+    async def call_utility(self, method: str, *args: object):  # type: ignore[no-untyped-def]
+        call_id = next(self._call_ids)
+        future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        self.pending_utility[call_id] = future
+        self._start_utility_span(call_id, method)
+        self.engine_loop.call_utility(UtilityCall(call_id, method, args))
+        return await future
+
+    def _start_utility_span(self, call_id: int, method: str) -> None:
+        if self.tracing is not None:
+            self._utility_spans[call_id] = self.tracing.tracer.start_span(
+                f"utility {method}",
+                kind=SpanKind.SERVER,
+                attributes={"tandem.utility.method": method, "tandem.engine_index": self.core.engine_index},
+            )
