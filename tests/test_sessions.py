@@ -10,7 +10,7 @@ import pytest
 from engine_service.config import EngineConfig
 from engine_service.core import EngineCore
 from tandem.protocol.outputs import EngineCoreRequest, FinishReason
-from tandem.protocol.sampling_params import InvalidRequestError, SamplingParams
+from tandem.protocol.sampling_params import InvalidRequestError, RequestOutputKind, SamplingParams
 from tandem.protocol.structured_output import StructuredOutputsParams
 
 
@@ -188,3 +188,68 @@ def test_session_chunks_and_restrictions() -> None:
         with pytest.raises(InvalidRequestError) as err:
             check_session_params(params)
         assert err.value.field == field
+
+
+def test_async_llm_streaming_input_and_drain_over_real_engines(e2e_stack, tiny_llama_dir: str) -> None:  # type: ignore[no-untyped-def]
+    """AsyncLLM in this process over the stack's engines (real sockets): ``generate``
+    takes an async generator of inputs (vLLM's streaming input) and each turn equals a
+    one-shot request on the history; ``wait_for_requests_to_drain`` returns once nothing
+    runs here or on the engines, and times out while something does."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    from frontend_service.async_llm import AsyncLLM
+    from frontend_service.engine_group import EngineGroup
+    from frontend_service.input_processor import InputProcessor
+    from tandem.protocol.fingerprint import tokenizer_fingerprint
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    chunks = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15]]
+
+    async def scenario() -> None:
+        holder: dict[str, AsyncLLM] = {}
+        group = EngineGroup(
+            [e.address for e in e2e_stack.engines], 7,
+            lambda engine, outs: holder["llm"].on_engine_outputs(engine, outs),
+            lambda engine, reason: holder["llm"].on_engine_dead(engine, reason),
+        )
+        info = await group.connect(tokenizer_fingerprint(tiny_llama_dir), 60)
+        processor = InputProcessor(tokenizer, info.max_model_len, info.vocab_size, info.max_logprobs,
+                                   tokenizer.eos_token_id)
+        llm = holder["llm"] = AsyncLLM(tokenizer, group, processor, client_index=7)
+        try:
+            async def inputs():  # type: ignore[no-untyped-def]
+                for chunk in chunks:
+                    yield chunk
+
+            turns: list[list[int]] = [[]]
+            async for out in llm.generate(params, prompt=inputs()):
+                turns[-1] += out.outputs[0].token_ids
+                if out.finished:
+                    turns.append([])
+            assert turns[-1] == [] and len(turns) == len(chunks) + 1
+            history: list[int] = []
+            for chunk, got in zip(chunks, turns):
+                history += chunk
+                one_shot = [t async for o in llm.generate(params, prompt_token_ids=history) for t in o.outputs[0].token_ids]
+                assert got == one_shot
+                history += got
+
+            long = SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True)
+
+            async def run_long() -> int:
+                return sum([len(o.outputs[0].token_ids) async for o in llm.generate(long, prompt="a long story")])
+
+            running = asyncio.ensure_future(run_long())
+            while not llm.num_unfinished:
+                await asyncio.sleep(0.01)
+            with pytest.raises(TimeoutError):
+                await llm.wait_for_requests_to_drain(0.05)
+            await llm.wait_for_requests_to_drain(120)
+            assert running.done() and llm.num_unfinished == 0
+        finally:
+            await group.close()
+
+    asyncio.run(scenario())
