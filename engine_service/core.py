@@ -247,6 +247,9 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
                 RequestError(ErrorCode.UNAVAILABLE, "the engine is asleep (sleep mode): wake it up first")
             )
         if req.resumable and req.request_id in self.scheduler.sessions:
+            if admission:  # a session's next turn queues its new tokens like a new request
+                waiting = self.scheduler.waiting
+                self.admission.check(len(waiting), waiting.num_tokens, len(req.prompt_token_ids))
             self._resume_session(req)
             return
         self.validate_request(req)

@@ -77,6 +77,27 @@ def test_three_chunks_equal_one_request_each_and_compute_only_new_tokens(
     core.kv_manager.pool.check_all_free()
 
 
+def test_a_session_turn_takes_its_place_under_the_queue_bound(tiny_llama_dir: str) -> None:
+    """A session's next turn queues new tokens: over the waiting-queue bound it is refused
+    RESOURCE_EXHAUSTED like any new request (the bound is not a side door)."""
+    from engine_service.admission import RequestRejected
+    from tandem.protocol.outputs import ErrorCode
+
+    core = _core(tiny_llama_dir, max_pending_requests=1)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    core.admit_request(EngineCoreRequest("s", [5, 6, 7], params, resumable=True))
+    while core.has_unfinished_requests():
+        core.step()
+    assert "s" in core.scheduler.sessions
+    core.admit_request(EngineCoreRequest("other", [8, 9], params))  # the queue is full now
+    with pytest.raises(RequestRejected) as refused:
+        core.admit_request(EngineCoreRequest("s", [10, 11], params, resumable=True))
+    assert refused.value.error.code == ErrorCode.RESOURCE_EXHAUSTED
+    core.add_request(EngineCoreRequest("s", [10, 11], params, resumable=True))  # in-process: no bound
+    core.abort_requests(["s", "other"])
+    core.kv_manager.pool.check_all_free()
+
+
 def test_session_restrictions_and_eviction(core: EngineCore) -> None:
     with pytest.raises(InvalidRequestError) as err:
         core.add_request(EngineCoreRequest(
