@@ -42,14 +42,14 @@ class SleepMode:
                 f"cannot sleep with {self.scheduler.num_unfinished} unfinished requests: "
                 "let them finish (pause the frontend first) or abort them"
             )
-        if level == 2 and self.lora is not None:
-            raise ValueError("sleep level 2 (weights reloaded on wake) is not supported with --enable-lora; use level 1")
         if level <= self.sleep_level:
             return
         self.kv_manager.reset_prefix_cache()
         self.runner.kv_caches = []
         if level == 2:
             self.model = self.runner.model = None  # type: ignore[assignment]
+            if self.lora is not None:  # adapters stay loaded; only the base weights go
+                self.lora.release_base()
         elif self.config.torch_device.type == "cuda":
             self.model.to("cpu")
         self.sleep_level = level
@@ -66,6 +66,8 @@ class SleepMode:
             return
         if self.sleep_level == 2:
             self.model, _ = self._load_model()  # type: ignore[attr-defined]
+            if self.lora is not None:
+                self.lora.rebind(self.model)
             self.runner.model = self.model
         elif self.config.torch_device.type == "cuda":
             self.model.to(self.config.torch_device)

@@ -297,3 +297,18 @@ def test_benchmark_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     assert bench.main(["--steps", "2", "--repeats", "1", "--batch", "4", "--prompt-len", "8"]) == 0
     out = capsys.readouterr().out
     assert "4 mixed adapters" in out and "ratio" in out
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_and_wake_keep_adapters(tiny_llama_dir: str, llama_adapters: list[LoRARequest], level: int) -> None:
+    """Sleep level 2 reloads the base weights; the adapters (and their slots) stay, so
+    requests with and without adapters give the same tokens after wake_up."""
+    core = _core(tiny_llama_dir)
+    jobs = [(p, lora) for p, lora in zip(_prompts(3, seed=5), [None, *llama_adapters[:2]])]
+    before, _ = _run(core, jobs)
+    core.sleep(level)
+    assert (core.model is None) == (level == 2)
+    core.wake_up()
+    after, _ = _run(core, jobs)
+    assert after == before
+    assert len(set(map(tuple, before))) == len(before)  # the adapters change the output

@@ -109,6 +109,16 @@ class LoRALinear(nn.Module):
         return y.index_add_(0, batch.rows, torch.bmm(shrunk, self.lora_b[:k]).view(k * m, -1))
 
 
+def rebind_model(model: nn.Module, wrapped: dict[tuple[int, str], LoRALinear]) -> None:
+    """Put existing wrappers (their adapters' factors kept) around a freshly loaded copy
+    of the same model: each takes the new projection as its ``base`` (sleep level 2)."""
+    for (i, name), wrapper in wrapped.items():
+        parent_name, attr = name.split(".")
+        parent = getattr(model.layers[i], parent_name)  # type: ignore[index]
+        wrapper.base = getattr(parent, attr)
+        setattr(parent, attr, wrapper)
+
+
 # Our fused module under a layer -> (in_features, output slices) for ``config``.
 def fused_module_slices(config: ModelConfig) -> dict[str, tuple[int, list[tuple[int, int]]]]:
     h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size

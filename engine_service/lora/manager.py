@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from engine_service.lora.adapter import TARGET_MODULES, LoRAAdapter, load_adapter
-from engine_service.lora.layers import LoRABatch, LoRAState, wrap_model
+from engine_service.lora.layers import LoRABatch, LoRAState, rebind_model, wrap_model
 from tandem.protocol.lora import LoRARequest
 from tandem.protocol.model_config import ModelConfig
 from tandem.protocol.sampling_params import InvalidRequestError
@@ -55,6 +55,16 @@ class LoRAManager:
         self.slot_of: dict[int, int] = {}  # adapter id -> slot
         self.slot_lru: OrderedDict[int, None] = OrderedDict()  # ids in slots, LRU first
         self.pinned: set[int] = set()
+
+    def release_base(self) -> None:
+        """Drop the wrappers' base projections (the model's weights: sleep level 2); the
+        adapters' factors stay in their slots."""
+        for wrapper in self.layers.values():
+            wrapper.base = None  # type: ignore[assignment]
+
+    def rebind(self, model: torch.nn.Module) -> None:
+        """Wrap a freshly loaded copy of the model again (waking from sleep level 2)."""
+        rebind_model(model, self.layers)
 
     # ---- registry and host cache ------------------------------------------------
 
