@@ -97,3 +97,28 @@ def test_smg_serving_benchmark_runs_both_front_doors(tmp_path: Path) -> None:
     for run in runs:
         assert run["summary"]["completed"] == run["summary"]["num_requests"] == 4
         assert run["summary"]["output_throughput"] > 0
+
+
+def test_decode_profile_accounts_for_the_step() -> None:
+    """benchmarks.decode_profile prints every bucket, the step and its roofline, and the
+    buckets add up to the step (they are scaled to it)."""
+    import io
+    from contextlib import redirect_stdout
+
+    from benchmarks import decode_profile
+
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert decode_profile.main(["--steps", "3", "--batch-sizes", "1,2", "--prompt-len", "8"]) == 0
+    rows = {line.split()[0] if not line.startswith(("lm head", "kv write", "other ops", "between ops", "of roofline"))
+            else " ".join(line.split()[:2]): line for line in out.getvalue().splitlines()}
+    for name in (*decode_profile.ORDER, "step", "roofline", "of roofline"):
+        assert name in rows, (name, out.getvalue())
+
+    def values(name: str) -> list[float]:
+        return [float(v) for v in rows[name].split()[len(name.split()):]]
+
+    step = values("step")
+    total = [sum(col) for col in zip(*(values(n) for n in decode_profile.ORDER))]
+    for got, want in zip(total, step):
+        assert got == pytest.approx(want, rel=0.02, abs=0.05)
