@@ -16,7 +16,6 @@ Without either, a request costs two ``is None`` checks.
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import time
 import uuid
@@ -27,6 +26,7 @@ from typing import Any
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from frontend_service.admission import PendingLimit, RequestFailedError, deadline_exceeded
+from frontend_service.control import RequestControl
 from frontend_service.engine_client import (
     EngineConnection,
     EngineUnavailableError,
@@ -36,12 +36,12 @@ from frontend_service.input_processor import InputProcessor, ProcessedRequest
 from frontend_service.lora import LoraRegistry
 from frontend_service.metrics import FrontendMetrics, SequenceTimes
 from frontend_service.migration import Migration, MigrationConfig, MigrationReason
+from frontend_service.observability import RequestObservation
 from frontend_service.output_processor import OutputProcessor
 from frontend_service.outputs import RequestOutput, merge_request_outputs
 from frontend_service.pooling import Pooling
 from frontend_service.sessions import Sessions, as_session_chunks
 from frontend_service.utilities import EngineUtilities
-from tandem import telemetry
 from tandem.protocol.lora import LoRARequest
 from tandem.protocol.outputs import (
     EngineCoreOutput,
@@ -70,11 +70,6 @@ def request_ids(request_id: str | None) -> tuple[str, str]:
     return user_id, f"{user_id}-{uuid.uuid4().hex[:8]}"
 
 
-class PauseMode(enum.Enum):
-    ABORT = "abort"  # abort in-flight requests
-    WAIT = "wait"  # let in-flight requests finish
-
-
 @dataclass
 class _Stream:
     """Where one user request's outputs go, and which engine runs it."""
@@ -92,7 +87,7 @@ class _Stream:
     span: Any = None  # the request's trace span, if traced
 
 
-class AsyncLLM(EngineUtilities, Pooling, Sessions, Migration):
+class AsyncLLM(EngineUtilities, Pooling, Sessions, Migration, RequestControl, RequestObservation):
     def __init__(
         self,
         tokenizer: Any,
@@ -396,70 +391,6 @@ class AsyncLLM(EngineUtilities, Pooling, Sessions, Migration):
             if self._observing:
                 self._finish_observing(processed, arrival, span, failure)
 
-    def _finish_observing(
-        self,
-        processed: ProcessedRequest | None,
-        arrival: float,
-        span: Any,
-        failure: BaseException | None = None,
-    ) -> None:
-        """Count the finished request and end its span (a rejected request only ends it)."""
-        if self.metrics is not None and isinstance(failure, RequestFailedError):
-            self.metrics.record_failure(failure.code.name)
-        if processed is None:
-            if span is not None:
-                span.end()
-            return
-        e2e = time.monotonic() - arrival
-        times = [self._seq_times.pop(r.request_id, None) for r in processed.engine_requests]
-        children = processed.parent.children
-        if not children:  # never placed on an engine (none was available)
-            if span is not None:
-                span.end()
-            return
-        reasons = [c.finish_reason or "abort" for c in children]
-        if isinstance(failure, RequestFailedError):
-            reasons = [failure_reason(failure.code)] * len(children)
-        if self.metrics is not None:
-            self.metrics.record_finished(reasons, e2e)
-        if span is None:
-            return
-        if not span.is_recording():  # not sampled
-            span.end()
-            return
-        firsts = [t.first_token for t in times if t is not None and t.first_token is not None]
-        attrs = telemetry.gen_ai_request_attributes(self.model_name, processed.sampling_params)
-        attrs.update(
-            telemetry.gen_ai_usage_attributes(
-                len(processed.prompt_token_ids),
-                sum(len(c.token_ids) for c in children),
-                max((c.num_cached_tokens for c in children), default=0),
-                reasons,
-            )
-        )
-        attrs["gen_ai.response.id"] = processed.request_id.rsplit("-", 1)[0]
-        attrs["tandem.request_id"] = processed.request_id
-        attrs[telemetry.LATENCY_E2E] = e2e
-        if firsts:
-            attrs[telemetry.LATENCY_TTFT] = min(firsts) - arrival
-        span.set_attributes(attrs)
-        span.end()
-
-    def abort(self, request_ids: Sequence[str]) -> int:
-        """Abort user requests by their ids; returns how many were found."""
-        wanted = set(request_ids)
-        found = 0
-        for internal_id, stream in list(self.streams.items()):
-            if internal_id.rsplit("-", 1)[0] not in wanted or stream.finished:
-                continue
-            found += 1
-            result = self.output_processor.abort_requests([internal_id])
-            stream.engine.abort(result.reqs_to_abort)
-            stream.finished = True
-            for _, request_output in result.request_outputs:
-                stream.queue.put_nowait(request_output)
-        return found
-
     # ---- LoRA adapters (vLLM's names; every serving engine) -----------------------------
 
     async def add_lora(self, lora_request: LoRARequest) -> bool:
@@ -473,50 +404,3 @@ class AsyncLLM(EngineUtilities, Pooling, Sessions, Migration):
 
     async def pin_lora(self, lora_id: int) -> bool:
         return await self.loras.pin_lora(lora_id)
-
-    # ---- pause / resume ----------------------------------------------------------------
-
-    @property
-    def paused(self) -> bool:
-        return not self._resumed.is_set()
-
-    async def pause(self, mode: PauseMode, poll_interval: float = 0.05) -> None:
-        """New requests wait; in-flight ones are aborted or allowed to finish."""
-        self._resumed.clear()
-        if mode is PauseMode.ABORT:
-            self.abort([rid.rsplit("-", 1)[0] for rid in self.streams])
-        while any(not s.finished for s in self.streams.values()):
-            await asyncio.sleep(poll_interval)
-
-    def resume(self) -> None:
-        self._resumed.set()
-
-    @property
-    def num_unfinished(self) -> int:
-        return sum(1 for s in self.streams.values() if not s.finished)
-
-    # ---- graceful drain ----------------------------------------------------------------
-
-    async def drain(self, timeout: float, poll_interval: float = 0.05) -> int:
-        """Wait up to ``timeout`` seconds for every request to finish, then fail what is
-        left with UNAVAILABLE (its engine requests aborted). Returns how many failed.
-
-        The caller stops admitting new requests first (the servicer's draining gate).
-        """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while self.num_unfinished and loop.time() < deadline:
-            await asyncio.sleep(poll_interval)
-        return self.fail_all(f"the frontend's drain timeout ({timeout:g}s) passed: aborted")
-
-    def fail_all(self, reason: str) -> int:
-        """Fail every unfinished request with UNAVAILABLE ``reason``; returns how many."""
-        left = [(rid, s) for rid, s in self.streams.items() if not s.finished]
-        for internal_id, stream in left:
-            self._fail(internal_id, stream, EngineUnavailableError(reason))
-        return len(left)
-
-
-def failure_reason(code: ErrorCode) -> str:
-    """The ``finished_reason`` metric label of a request that failed with ``code``."""
-    return "deadline" if code == ErrorCode.DEADLINE_EXCEEDED else "error"

@@ -15,7 +15,8 @@ from typing import Any
 import grpc
 
 from frontend_service import api
-from frontend_service.async_llm import AsyncLLM, PauseMode
+from frontend_service.async_llm import AsyncLLM
+from frontend_service.control import PauseMode
 from frontend_service.errors import abort_with
 from tandem.protocol import convert
 from tandem.protocol.sampling_params import RequestOutputKind, SamplingParams

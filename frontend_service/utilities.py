@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 from frontend_service.engine_client import EngineUnavailableError
 
 if TYPE_CHECKING:
-    from frontend_service.engine_group import EngineGroup
+    from frontend_service.control import PauseMode
+from frontend_service.engine_group import EngineGroup
 
 
 class EngineUtilities:
@@ -26,8 +27,6 @@ class EngineUtilities:
     async def sleep(self, level: int = 1) -> None:
         """New requests wait (generation is paused), the ones in flight finish, then every
         engine sleeps: level 1 gives back the KV cache, level 2 the weights too."""
-        from frontend_service.async_llm import PauseMode  # (async_llm imports this module)
-
         await self.pause(PauseMode.WAIT)  # type: ignore[attr-defined]
         try:
             await self.engines.call_utility("sleep", level)
