@@ -4,7 +4,10 @@
 methods of the same names on every serving engine. The registry also remembers each
 adapter by name (from its own calls, and from the engines' ``--lora-modules`` at
 start-up), so the OpenAI API's ``model`` field can select one and ``/v1/models`` can
-list them. An engine that joins later does not get adapters added before it joined.
+list them. Requests carry the adapter's full ``LoRARequest`` (name, id and path), and an
+engine loads an adapter it has not seen from that path on first use, so an engine that
+joins later serves adapters added before it joined (a pin made before it joined does
+not reach it).
 """
 
 from __future__ import annotations
