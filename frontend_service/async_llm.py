@@ -322,6 +322,8 @@ class AsyncLLM(EngineUtilities, Pooling, Sessions, Migration, RequestControl, Re
             trace_headers = self.tracing.inject(span)
         processed: ProcessedRequest | None = None
         admitted = False
+        if lora_request is not None:
+            lora_request = self.loras.resolve(lora_request)
         try:
             admitted = self._admit()
             await self._resumed.wait()

@@ -38,6 +38,13 @@ class LoraRegistry:
     def get(self, name: str) -> LoRARequest | None:
         return self.by_name.get(name)
 
+    def resolve(self, lora_request: LoRARequest) -> LoRARequest:
+        """A by-name request (``lora_int_id`` 0) made whole from the registry, so that any
+        engine can load the adapter; otherwise (or unknown here) as given."""
+        if lora_request.lora_int_id == 0:
+            return self.by_name.get(lora_request.lora_name, lora_request)
+        return lora_request
+
     async def add_lora(self, lora_request: LoRARequest) -> bool:
         lora_request.validate()
         if lora_request.lora_int_id == 0:

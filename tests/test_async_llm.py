@@ -118,3 +118,25 @@ def test_merge_of_delta_outputs_concatenates_per_completion_index() -> None:
     assert merged.outputs[1].token_ids == [4, 5] and merged.outputs[2].token_ids == [7]
     assert merged.prompt_logprobs == earlier.prompt_logprobs
     assert merge_request_outputs(earlier, later, delta=False) is later
+
+
+def test_a_by_name_adapter_request_reaches_the_engine_whole(tokenizer: Any) -> None:
+    """``LoRARequest(name, 0)`` names an adapter the frontend knows: the engine request
+    carries its id and path, so an engine that has not seen it yet can load it."""
+    from tandem.protocol.lora import LoRARequest
+
+    async def scenario() -> EngineCoreRequest:
+        llm, engine = _llm(tokenizer)
+        known = LoRARequest("sql", 3, "/adapters/sql")
+        llm.loras.by_name["sql"] = known
+        stream = llm.generate(SamplingParams(max_tokens=2), prompt_token_ids=[5, 6], lora_request=LoRARequest("sql", 0))
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0)
+        (request,) = engine.added
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        return request
+
+    request = asyncio.run(scenario())
+    assert request.lora_request == LoRARequest("sql", 3, "/adapters/sql")
