@@ -9,14 +9,16 @@ from typing import Any
 import pytest
 import torch
 
-from engine_service.sampler import (
-    LogprobsTensors,
-    Sampler,
-    SamplingMetadata,
+from engine_service.logits_processors import (
     apply_min_p,
     apply_penalties_,
     apply_top_k,
     apply_top_k_top_p,
+)
+from engine_service.sampler import (
+    LogprobsTensors,
+    Sampler,
+    SamplingMetadata,
     compute_logprobs_tensors,
 )
 from tandem.protocol.sampling_params import SamplingParams
