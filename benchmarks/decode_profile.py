@@ -4,7 +4,8 @@ For each batch size B: B requests with ``--prompt-len`` prompts are prefilled, t
 ``--steps`` steady decode steps run under the torch profiler. Each op's self CPU time is
 put in a bucket (linear layers, LM head, attention, norms, rotary, KV write, MLP
 activation, sampling, other torch ops); what the ops do not account for is Python and
-framework time between them (``between ops``). The roofline of a step is measured in
+framework time between them (``between ops``: the unprofiled step minus the ops'
+self times, so the profiler's own per-op cost is not counted). The roofline of a step is measured in
 the same run: the weights read once plus the KV cache the step attends over, at the
 machine's large-copy bandwidth, or the FLOPs at its best fp32 GEMM rate, whichever is
 longer (``benchmarks.common.measure_machine``).
@@ -12,8 +13,7 @@ longer (``benchmarks.common.measure_machine``).
     python -m benchmarks.decode_profile --model ~/.cache/tandem/bench-135m
     python -m benchmarks.decode_profile                      # tiny model, smoke
 
-The profiler adds ~1-3 us per op; step times are also taken without it (``step``),
-and the buckets are scaled to that wall time.
+The profiler adds ~1-3 us per op; ``step`` is timed without it, ``profiled step`` with.
 """
 
 from __future__ import annotations
@@ -110,10 +110,12 @@ def measure(core: EngineCore, batch: int, prompt_len: int, steps: int) -> dict[s
     lm = sum(head_ms) / len(head_ms)
     buckets["linear"] -= min(buckets["linear"], lm)
     buckets["lm head"] = lm
+    # The profiler's own cost per op falls between ops: measure "between ops" against
+    # the unprofiled step (op times scaled down only if they exceed it).
     ops = sum(buckets.values())
-    buckets["between ops"] = max(0.0, profiled_wall - ops)
-    scale = wall / profiled_wall
+    scale = min(1.0, wall / ops) if ops else 1.0
     result = {k: v * scale for k, v in buckets.items()}
+    result["between ops"] = max(0.0, wall - ops * scale)
     result["step"] = wall
     result["profiled step"] = profiled_wall
     core.abort_requests(list(core.scheduler.requests))
@@ -155,11 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     context = args.prompt_len + args.steps // 2 + 3
     print(f"model {model}; threads {torch.get_num_threads()}; machine: copy {limits.copy_gbps:.1f} GB/s, "
           f"GEMM {limits.matmul_gflops:.0f} GFLOP/s; weights {roof.weight_bytes / 2**20:.0f} MiB")
-    print(f"ms per decode step (mean of {args.steps}; buckets scaled to the unprofiled step)")
+    print(f"ms per decode step (mean of {args.steps}; op buckets from the profiled run)")
     print(f"{'':<14}" + "".join(f"{f'batch {b}':>12}" for b in sizes))
     for name in ORDER:
         print(f"{name:<14}" + "".join(f"{rows[b].get(name, 0.0):>12.2f}" for b in sizes))
     print(f"{'step':<14}" + "".join(f"{rows[b]['step']:>12.2f}" for b in sizes))
+    print(f"{'profiled step':<14}" + "".join(f"{rows[b]['profiled step']:>12.2f}" for b in sizes))
     bounds = {b: roofline_ms(roof, core, b, context) for b in sizes}
     print(f"{'roofline':<14}" + "".join(f"{bounds[b]:>12.2f}" for b in sizes))
     print(f"{'of roofline':<14}" + "".join(f"{bounds[b] / rows[b]['step']:>11.0%} " for b in sizes))
