@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -207,8 +208,12 @@ class EngineCore(SleepMode, Sessions):
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config
-        # Per rank: each rank's memory holds its own kv heads of every block.
-        block_bytes = kv_cache_block_bytes(self.shard_config, cfg.block_size, cfg.torch_dtype)
+        # Per rank: each rank's memory holds its own kv heads of every block; with an
+        # uneven split the rank with the most decides.
+        sizing = self.shard_config
+        if self.executor is not None:
+            sizing = dataclasses.replace(sizing, num_kv_heads=self.model.plan.max_num_kv_heads)
+        block_bytes = kv_cache_block_bytes(sizing, cfg.block_size, cfg.torch_dtype)
         if cfg.num_gpu_blocks_override is not None:
             num_blocks = cfg.num_gpu_blocks_override
             source = "num_gpu_blocks_override"

@@ -175,20 +175,30 @@ def _model_config(tiny_llama_dir: str, **changes: int) -> ModelConfig:
 def test_shard_plan_splits_heads_and_replicates_too_few_kv_heads(tiny_llama_dir: str) -> None:
     config = _model_config(tiny_llama_dir, num_heads=8, num_kv_heads=2, vocab_size=1001)
     plans = [ShardPlan.build(config, r, 4) for r in range(4)]
-    assert [p.num_heads for p in plans] == [2] * 4
+    assert [p.q_heads for p in plans] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    # q heads 2r, 2r+1 read kv head (2r) // 4 = r // 2, replicated on two ranks.
     assert all(p.kv_replicated and p.num_kv_heads == 1 for p in plans)
-    # q heads 2r, 2r+1 read kv head (2r) // 4 = r // 2.
-    assert [p.first_kv_head for p in plans] == [0, 0, 1, 1]
+    assert [p.kv_heads for p in plans] == [(0, 1), (0, 1), (1, 2), (1, 2)]
     assert [(p.vocab_start, p.vocab_stop) for p in plans] == [(0, 251), (251, 502), (502, 753), (753, 1001)]
     split = ShardPlan.build(config, 1, 2)
-    assert (split.kv_replicated, split.num_kv_heads, split.first_kv_head) == (False, 1, 1)
+    assert (split.kv_replicated, split.kv_heads, split.q_heads) == (False, (1, 2), (4, 8))
+
+
+def test_shard_plan_splits_uneven_kv_heads_by_whole_groups(tiny_llama_dir: str) -> None:
+    # bench-135m's shape: 9 q heads in 3 groups over 2 ranks -> 1 and 2 groups.
+    config = _model_config(tiny_llama_dir, num_heads=9, num_kv_heads=3)
+    plans = [ShardPlan.build(config, r, 2) for r in range(2)]
+    assert [(p.kv_heads, p.q_heads) for p in plans] == [((0, 1), (0, 3)), ((1, 3), (3, 9))]
+    assert plans[0].max_num_kv_heads == 2
+    local = plans[1].local_config
+    assert (local.num_heads, local.num_kv_heads, local.head_dim) == (6, 2, config.head_dim)
 
 
 def test_shard_plan_rejects_models_that_do_not_split(tiny_llama_dir: str) -> None:
-    with pytest.raises(ConfigError, match="num_attention_heads=4 is not divisible"):
+    with pytest.raises(ConfigError, match="num_key_value_heads=2 below it"):
         ShardPlan.build(_model_config(tiny_llama_dir), 0, 3)
-    with pytest.raises(ConfigError, match="num_key_value_heads=3"):
-        ShardPlan.build(_model_config(tiny_llama_dir, num_heads=6, num_kv_heads=3), 0, 2)
+    with pytest.raises(ConfigError, match="intermediate_size=130"):
+        ShardPlan.build(_model_config(tiny_llama_dir, intermediate_size=130), 0, 4)
 
 
 def test_config_refuses_lora_and_bad_settings_with_tensor_parallelism() -> None:

@@ -1,9 +1,10 @@
 """Which part of each weight (and of the KV cache) a tensor-parallel rank holds.
 
-With N ranks, rank r holds:
-- q heads ``[r*H/N, (r+1)*H/N)`` and the kv heads they read: ``[r*K/N, (r+1)*K/N)``
-  when N divides the K kv heads, else (K divides N) the one kv head ``r*K//N``,
-  replicated on the N/K ranks whose q heads share it;
+With N ranks, H q heads and K kv heads (groups of G = H/K q heads), rank r holds:
+- when K >= N: kv heads ``[r*K//N, (r+1)*K//N)`` and their whole q-head groups (N
+  need not divide K: e.g. 3 kv heads over 2 ranks give 1 and 2 groups);
+- when K < N (N a multiple of K): q heads ``[r*H/N, (r+1)*H/N)`` and the one kv head
+  ``r*K//N`` they read, replicated on the N/K ranks whose q heads share it;
 - columns ``[r*I/N, (r+1)*I/N)`` of gate and up, the matching input columns of down,
   and the matching input columns of o (o and down are row-parallel: one all-reduce each);
 - vocabulary rows ``[r*V', (r+1)*V')`` of the embedding and LM head, V' = ceil(V/N)
@@ -38,11 +39,10 @@ class ShardPlan:
         """Raises ConfigError when the model cannot be split ``world_size`` ways."""
         n = world_size
         problems = []
-        if config.num_heads % n:
-            problems.append(f"num_attention_heads={config.num_heads} is not divisible by it")
-        if config.num_kv_heads % n and n % config.num_kv_heads:
+        if config.num_kv_heads < n and (n % config.num_kv_heads or config.num_heads % n):
             problems.append(
-                f"num_key_value_heads={config.num_kv_heads} neither divides it nor is divisible by it"
+                f"with num_key_value_heads={config.num_kv_heads} below it, it must be a multiple "
+                f"of them and divide num_attention_heads={config.num_heads}"
             )
         if config.intermediate_size % n:
             problems.append(f"intermediate_size={config.intermediate_size} is not divisible by it")
@@ -53,22 +53,40 @@ class ShardPlan:
         return cls(config, rank, world_size)
 
     @property
-    def num_heads(self) -> int:
-        return self.config.num_heads // self.world_size
-
-    @property
     def kv_replicated(self) -> bool:
         return self.config.num_kv_heads < self.world_size
 
     @property
-    def num_kv_heads(self) -> int:
-        return 1 if self.kv_replicated else self.config.num_kv_heads // self.world_size
+    def kv_heads(self) -> tuple[int, int]:
+        """``[start, stop)`` of the kv heads this rank holds."""
+        k, n, r = self.config.num_kv_heads, self.world_size, self.rank
+        if self.kv_replicated:
+            return r * k // n, r * k // n + 1
+        return r * k // n, (r + 1) * k // n
 
     @property
-    def first_kv_head(self) -> int:
+    def q_heads(self) -> tuple[int, int]:
+        """``[start, stop)`` of the q heads this rank computes (whole groups of its kv heads)."""
+        h, n, r = self.config.num_heads, self.world_size, self.rank
         if self.kv_replicated:
-            return self.rank * self.config.num_kv_heads // self.world_size
-        return self.rank * self.num_kv_heads
+            return r * h // n, (r + 1) * h // n
+        group = h // self.config.num_kv_heads
+        start, stop = self.kv_heads
+        return start * group, stop * group
+
+    @property
+    def num_heads(self) -> int:
+        return self.q_heads[1] - self.q_heads[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv_heads[1] - self.kv_heads[0]
+
+    @property
+    def max_num_kv_heads(self) -> int:
+        """The most kv heads any rank holds: what sizes every rank's KV-cache blocks."""
+        k, n = self.config.num_kv_heads, self.world_size
+        return 1 if self.kv_replicated else -(-k // n)
 
     @property
     def intermediate_size(self) -> int:
@@ -111,10 +129,11 @@ class ShardPlan:
             return target  # norms: whole
         _, _, proj, kind = m.groups()
         q_rows, kv_rows, inter = self.num_heads * hd, self.num_kv_heads * hd, self.intermediate_size
+        q_start = self.q_heads[0] * hd
         if proj == "q":
-            return dataclasses.replace(target, take=(0, self.rank * q_rows, (self.rank + 1) * q_rows))
+            return dataclasses.replace(target, take=(0, q_start, q_start + q_rows))
         if proj in ("k", "v"):
-            start = self.first_kv_head * hd
+            start = self.kv_heads[0] * hd
             row_start = q_rows if proj == "k" else q_rows + kv_rows
             return dataclasses.replace(target, row_start=row_start, take=(0, start, start + kv_rows))
         if proj in ("gate", "up"):
@@ -123,5 +142,6 @@ class ShardPlan:
             return dataclasses.replace(target, row_start=row_start, take=(0, *span))
         if kind == "bias":  # o / down: added once, after the all-reduce
             return target
-        cols = q_rows if proj == "o" else inter
-        return dataclasses.replace(target, take=(1, self.rank * cols, (self.rank + 1) * cols))
+        if proj == "o":
+            return dataclasses.replace(target, take=(1, q_start, q_start + q_rows))
+        return dataclasses.replace(target, take=(1, self.rank * inter, (self.rank + 1) * inter))
