@@ -113,7 +113,12 @@ class EngineConfig:
         },
     )
     num_threads: int | None = field(
-        default=None, metadata={"help": "torch intra-op threads on CPU; default: all cores."}
+        default=None,
+        metadata={
+            "help": "torch intra-op threads on CPU, per rank with tensor_parallel_size > 1; "
+            "default: all cores (with tensor parallelism: the rank's share of them, each rank "
+            "pinned to its own cores where the OS allows)."
+        },
     )
     profiler_dir: str | None = field(
         default=None,

@@ -25,6 +25,7 @@ from engine_service.make_model import make_model
 from engine_service.scheduler import Scheduler
 from tandem.protocol.model_config import ModelConfig
 from tandem.protocol.outputs import EngineCoreRequest
+from tandem.protocol.pooling_params import PoolingParams
 from tandem.protocol.sampling_params import SamplingParams
 from tests.factories import hf_greedy
 
@@ -161,6 +162,36 @@ def test_tp2_matches_tp1_logits_and_hf_tokens(case: Case, setup: str) -> None:
         assert cached["r4"] >= 16  # the second wave reused the first's shared-prefix block
     else:
         assert sum(cached.values()) == 0
+
+
+def _greedy_and_embedding(core: EngineCore, prompt: list[int], tag: str) -> tuple[list[int], list[float]]:
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    core.add_request(EngineCoreRequest(f"g{tag}", prompt, params, eos_token_id=None))
+    core.add_request(
+        EngineCoreRequest(f"e{tag}", prompt, SamplingParams(), pooling_params=PoolingParams(pooling_type="MEAN"))
+    )
+    tokens: list[int] = []
+    embedding: list[float] = []
+    while core.has_unfinished_requests():
+        for o in core.step().outputs:
+            tokens += o.new_token_ids
+            embedding = o.pooling_output or embedding
+    return tokens, embedding
+
+
+def test_tp2_pools_sleeps_and_wakes_like_tp1(case: Case) -> None:
+    for core in (case.tp1, case.tp2):
+        _reconfigure(core, **SETUPS["fits"])  # type: ignore[arg-type]
+    prompt = case.prompts[3]
+    want_tokens, want_embedding = _greedy_and_embedding(case.tp1, prompt, "ref")
+    assert _greedy_and_embedding(case.tp2, prompt, "ref")[0] == want_tokens
+    for level in (1, 2):
+        case.tp2.sleep(level)
+        assert case.tp2.is_sleeping() and case.tp2.kv_cache_bytes == 0
+        case.tp2.wake_up()  # the worker reloads its shard (level 2) and its KV cache
+        tokens, embedding = _greedy_and_embedding(case.tp2, prompt, f"woken{level}")
+        assert tokens == want_tokens, f"after sleep level {level}"
+        torch.testing.assert_close(torch.tensor(embedding), torch.tensor(want_embedding), atol=1e-4, rtol=0)
 
 
 # ---- sharding rules ----------------------------------------------------------------
