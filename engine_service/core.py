@@ -83,6 +83,16 @@ class EngineCore(SleepMode, Sessions):
         if config.tensor_parallel_size > 1:
             self.executor = TensorParallelExecutor(config)
 
+        try:
+            self._start_up(tracer)
+        except BaseException:
+            self.shutdown(graceful=False)  # no worker outlives a failed start-up
+            raise
+
+    def _start_up(self, tracer: Any) -> None:
+        """Model, KV cache, scheduler and runner (``__init__``'s second half)."""
+        config = self.config
+        engine_index = self.engine_index
         start = time.perf_counter()
         ops = get_ops(config.resolved_attention_backend)
         self._ops = ops
@@ -410,10 +420,11 @@ class EngineCore(SleepMode, Sessions):
         if self.executor is not None:
             self.executor.check_alive()
 
-    def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any. The core is unusable afterwards."""
-        if self.executor is not None:
-            self.executor.shutdown()
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the tensor-parallel workers, if any (see TensorParallelExecutor.shutdown).
+        The core is unusable afterwards."""
+        if getattr(self, "executor", None) is not None:
+            self.executor.shutdown(graceful)
 
     def _fail_bad_constraints(self) -> list[Request]:
         """End the requests whose structured-output constraint did not compile."""

@@ -192,6 +192,8 @@ def test_tp2_pools_sleeps_and_wakes_like_tp1(case: Case) -> None:
         tokens, embedding = _greedy_and_embedding(case.tp2, prompt, f"woken{level}")
         assert tokens == want_tokens, f"after sleep level {level}"
         torch.testing.assert_close(torch.tensor(embedding), torch.tensor(want_embedding), atol=1e-4, rtol=0)
+    with pytest.raises(ConfigError, match="one tensor-parallel engine per process"):
+        EngineCore(_config(case.model_dir, 2))
 
 
 # ---- sharding rules ----------------------------------------------------------------
@@ -239,3 +241,4 @@ def test_config_refuses_lora_and_bad_settings_with_tensor_parallelism() -> None:
         EngineConfig(model="m", tensor_parallel_size=0)
     with pytest.raises(ConfigError, match="distributed_backend"):
         EngineConfig(model="m", distributed_backend="mpi")  # type: ignore[arg-type]
+

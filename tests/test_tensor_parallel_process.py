@@ -4,6 +4,7 @@ non-zero and none of its processes is left behind."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import re
 import signal
@@ -13,6 +14,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from engine_service.config import ConfigError, EngineConfig
+from engine_service.core import EngineCore
 from tandem.v1 import common_pb2, frontend_pb2
 from tests.e2e_helpers import ENGINE_ARGS, start_engine, start_stack
 
@@ -113,3 +116,14 @@ def test_idle_worker_death_is_noticed_and_a_drained_engine_leaves_no_process(
     finally:
         for engine in (killed, drained):
             engine.kill()
+
+
+def test_a_failed_start_up_leaves_no_worker(tiny_llama_dir: str) -> None:
+    """(Here, not in test_tensor_parallel.py: a process runs one tensor-parallel engine
+    at a time, and that module keeps one running.)"""
+    before = set(multiprocessing.active_children())
+    with pytest.raises(ConfigError, match="max_model_len=4096 exceeds"):
+        EngineCore(EngineConfig(model=tiny_llama_dir, max_model_len=4096, tensor_parallel_size=2, num_threads=1))
+    assert set(multiprocessing.active_children()) <= before
+    with pytest.raises(ConfigError, match="tensor_parallel_size=3 does not fit"):
+        EngineCore(EngineConfig(model=tiny_llama_dir, tensor_parallel_size=3))

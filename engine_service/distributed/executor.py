@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from engine_service.config import EngineConfig
+from engine_service.config import ConfigError, EngineConfig
 from engine_service.distributed.messages import (
     AllocateKVCache,
     Message,
@@ -44,7 +44,9 @@ from engine_service.distributed.parallel_state import (
     resolve_backend,
     split_cores,
 )
+from engine_service.distributed.sharding import ShardPlan
 from engine_service.distributed.worker import WorkerSpec, worker_main
+from tandem.protocol.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +64,13 @@ class TensorParallelExecutor:
     def __init__(self, config: EngineConfig) -> None:
         world = config.tensor_parallel_size
         device = config.torch_device
+        if torch.distributed.is_initialized():
+            raise ConfigError(
+                "this process already runs a tensor-parallel engine (or another torch.distributed "
+                "group); one tensor-parallel engine per process"
+            )
+        # Refuse a model that does not split before starting any process.
+        ShardPlan.build(ModelConfig.from_pretrained(config.model), 0, world)
         spec = ParallelSpec(
             world_size=world,
             init_method=config.distributed_init_method or default_init_method(),
@@ -95,7 +104,7 @@ class TensorParallelExecutor:
         try:
             self.comm = Communicator(0, spec, self.device)
         except Exception as exc:
-            self.shutdown()
+            self.shutdown(graceful=False)
             raise self.fail(exc) from exc
 
     @property
@@ -167,13 +176,15 @@ class TensorParallelExecutor:
         for proc in self._procs:
             proc.join(_JOIN_S)
 
-    def shutdown(self) -> None:
-        """Stop the workers (asked first, killed after ``_JOIN_S``), leave the group and
-        give the engine process its cores and threads back. Idempotent."""
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the workers (asked first when ``graceful``, killed after ``_JOIN_S``),
+        leave the group and give the engine process its cores and threads back.
+        ``graceful=False`` where the ranks may be inside different collectives (a
+        failed start-up). Idempotent."""
         if self._closing:
             return
         self._closing = True
-        if self.dead_reason is None and hasattr(self, "comm"):
+        if graceful and self.dead_reason is None and hasattr(self, "comm"):
             with contextlib.suppress(Exception):
                 self.comm.broadcast_object(Shutdown())
         deadline = time.monotonic() + _JOIN_S

@@ -75,7 +75,9 @@ class ShardedDecoderForCausalLM(DecoderForCausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
         local = super().compute_logits(hidden)  # [n, vocab_per_rank] float32
         full = self.comm.gather_last_dim(local)
-        return None if full is None else full[:, : self.vocab_size]
+        if full is None or full.shape[1] == self.vocab_size:
+            return full
+        return full[:, : self.vocab_size].contiguous()  # the last shard's padding cut off
 
 
 def load_sharded_model(
