@@ -126,17 +126,32 @@ def run_engine(model: str, tp: int, threads: int, args: argparse.Namespace) -> d
         enable_prefix_caching=False,
     ))
     startup = time.perf_counter() - start
+    in_all_reduce = [0.0]  # seconds rank 0 spent inside all-reduces (waits for the peer included)
+    if core.executor is not None:
+        comm = core.executor.comm
+        plain = comm.all_reduce
+
+        def timed(tensor: Any) -> Any:
+            t0 = time.perf_counter()
+            out = plain(tensor)
+            in_all_reduce[0] += time.perf_counter() - t0
+            return out
+
+        comm.all_reduce = timed  # type: ignore[method-assign]
     try:
         tokens: dict[str, list[int]] = {}
         step_times: list[tuple[int, float]] = []  # (scheduled tokens, seconds)
         for rep in range(2):  # the first round warms up (oneDNN primitives, first touches)
             step_times.clear()
+            in_all_reduce[0] = 0.0
             for i in range(args.batch):
                 prompt = [5 + (97 * i + 13 * j) % 900 for j in range(args.prompt_len)]
                 params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
                 core.add_request(EngineCoreRequest(f"{rep}-{i}", prompt, params, eos_token_id=None))
                 tokens[f"{rep}-{i}"] = []
             while core.has_unfinished_requests():
+                if len(step_times) == 1:
+                    in_all_reduce[0] = 0.0  # decode steps only
                 t0 = time.perf_counter()
                 outs = core.step()
                 step_times.append((outs.scheduler_stats.num_running_reqs, time.perf_counter() - t0))
@@ -153,6 +168,7 @@ def run_engine(model: str, tp: int, threads: int, args: argparse.Namespace) -> d
         "prefill_step_s": prefill,
         "decode_step_ms": 1e3 * statistics.median(decode),
         "decode_tokens_per_s": args.batch / statistics.median(decode),
+        "decode_all_reduce_ms": 1e3 * in_all_reduce[0] / len(decode),
         "tokens": [tokens[f"1-{i}"] for i in range(args.batch)],
     }
 
@@ -198,9 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nengine, {args.batch} requests x {args.prompt_len} prompt + {args.output_len} output tokens, "
           f"{args.threads} threads in total; load average {load_average()}:")
     print(format_table(
-        ["TP", "threads/rank", "startup s", "prefill step s", "decode step ms", "decode tok/s"],
+        ["TP", "threads/rank", "startup s", "prefill step s", "decode step ms", "of it in all-reduce",
+         "decode tok/s"],
         [[r["tp"], r["threads_per_rank"], f"{r['startup_s']:.1f}", f"{r['prefill_step_s']:.3f}",
-          f"{r['decode_step_ms']:.1f}", f"{r['decode_tokens_per_s']:.0f}"] for r in results],
+          f"{r['decode_step_ms']:.1f}", f"{r['decode_all_reduce_ms']:.1f}", f"{r['decode_tokens_per_s']:.0f}"]
+         for r in results],
     ))
     print(f"greedy tokens TP=1 vs TP=2: {'same' if same else 'DIFFERENT'}")
     return 0 if same else 1
