@@ -99,7 +99,7 @@ class TensorParallelExecutor:
             logger.info("tensor-parallel worker rank %d started: pid %d", rank, proc.pid)
         self._monitor = threading.Thread(target=self._watch, name="tp-monitor", daemon=True)
         self._monitor.start()
-        self.threads = place_threads(cores[0], config.num_threads)
+        self.threads = place_threads(cores[0], config.num_threads, world)
         self.device = device_for_rank(device, 0)
         try:
             self.comm = Communicator(0, spec, self.device)

@@ -64,12 +64,13 @@ def split_cores(world_size: int) -> list[list[int]]:
     return [cores[r * share : (r + 1) * share] for r in range(world_size)]
 
 
-def place_threads(cores: list[int], num_threads: int | None) -> int:
+def place_threads(cores: list[int], num_threads: int | None, world_size: int) -> int:
     """Pin this process to ``cores`` (if any) and set torch's intra-op threads to
-    ``num_threads`` (default: one per core of the share). Returns the thread count."""
+    ``num_threads`` (default: one per core of the share; unpinned, the cores divided by
+    ``world_size``). Returns the thread count."""
     if cores and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, cores)
-    threads = num_threads or max(1, len(cores) or (os.cpu_count() or 1))
+    threads = num_threads or len(cores) or max(1, (os.cpu_count() or 1) // world_size)
     torch.set_num_threads(threads)
     return threads
 

@@ -137,7 +137,7 @@ def worker_main(spec: WorkerSpec, parent: Connection) -> None:
     config = spec.config
     if config.torch_device.type == "cpu":
         keep_freed_memory_mapped()
-    threads = place_threads(spec.cores, config.num_threads)
+    threads = place_threads(spec.cores, config.num_threads, spec.parallel.world_size)
     torch.manual_seed(config.seed)
     device = device_for_rank(config.torch_device, spec.rank)
     comm = Communicator(spec.rank, spec.parallel, device)
