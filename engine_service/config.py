@@ -113,7 +113,12 @@ class EngineConfig:
         },
     )
     num_threads: int | None = field(
-        default=None, metadata={"help": "torch intra-op threads on CPU; default: all cores."}
+        default=None,
+        metadata={
+            "help": "torch intra-op threads on CPU, per rank with tensor_parallel_size > 1; "
+            "default: all cores (with tensor parallelism: the rank's share of them, each rank "
+            "pinned to its own cores where the OS allows)."
+        },
     )
     profiler_dir: str | None = field(
         default=None,
@@ -159,8 +164,41 @@ class EngineConfig:
         },
     )
 
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "Split the model over this many worker processes of this engine (tensor "
+            "parallelism: attention heads, MLP columns, vocabulary and KV heads sharded; the "
+            "engine process is rank 0 and keeps the scheduler). Default 1: one process."
+        },
+    )
+    distributed_init_method: str | None = field(
+        default=None,
+        metadata={
+            "help": "With tensor_parallel_size > 1: torch.distributed rendezvous URL "
+            "(tcp://HOST:PORT); default: a free port on 127.0.0.1."
+        },
+    )
+    distributed_backend: Literal["auto", "gloo", "nccl"] = field(
+        default="auto",
+        metadata={
+            "help": "With tensor_parallel_size > 1: collectives backend; auto (the default) "
+            "is nccl on CUDA, gloo on CPU."
+        },
+    )
+
     def __post_init__(self) -> None:
         self._check_positive("max_num_seqs")
+        self._check_positive("tensor_parallel_size")
+        if self.distributed_backend not in ("auto", "gloo", "nccl"):
+            raise ConfigError(
+                f"distributed_backend must be auto, gloo or nccl, got {self.distributed_backend!r}"
+            )
+        if self.tensor_parallel_size > 1 and self.enable_lora:
+            raise ConfigError(
+                "enable_lora is not supported with tensor_parallel_size > 1 (LoRA adapters "
+                "are not sharded); run LoRA engines with tensor_parallel_size=1"
+            )
         self._check_positive("max_num_batched_tokens")
         self._check_positive("block_size")
         self._check_positive("max_logprobs", allow_zero=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -18,6 +19,8 @@ from engine_service.admission import (
 from engine_service.attention import AttentionMetadata
 from engine_service.config import ConfigError, EngineConfig
 from engine_service.cpu import keep_freed_memory_mapped
+from engine_service.distributed.executor import TensorParallelExecutor, WorkerDiedError
+from engine_service.distributed.worker import load_shard
 from engine_service.kv_cache.manager import KVCacheManager
 from engine_service.lora import LoRAManager
 from engine_service.lora.engine_api import LoRAUtilities
@@ -72,10 +75,25 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
         self.engine_index = engine_index
         if config.torch_device.type == "cpu":
             keep_freed_memory_mapped()
-            if config.num_threads is not None:
+            if config.num_threads is not None and config.tensor_parallel_size == 1:
                 torch.set_num_threads(config.num_threads)
         torch.manual_seed(config.seed)
+        # Tensor parallelism: this process is rank 0; the workers start loading their
+        # shards now, while this one loads its own (the executor also places threads).
+        self.executor: TensorParallelExecutor | None = None
+        if config.tensor_parallel_size > 1:
+            self.executor = TensorParallelExecutor(config)
 
+        try:
+            self._start_up(tracer)
+        except BaseException:
+            self.shutdown(graceful=False)  # no worker outlives a failed start-up
+            raise
+
+    def _start_up(self, tracer: Any) -> None:
+        """Model, KV cache, scheduler and runner (``__init__``'s second half)."""
+        config = self.config
+        engine_index = self.engine_index
         start = time.perf_counter()
         ops = get_ops(config.resolved_attention_backend)
         self._ops = ops
@@ -88,6 +106,8 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
                     "tandem.dtype": str(config.torch_dtype).removeprefix("torch."),
                     "tandem.device": str(config.torch_device),
                 })
+        # The KV cache's shapes: this rank's kv heads (all of them without TP).
+        self.shard_config: ModelConfig = self.model.config
         self.lora: LoRAManager | None = None
         if config.enable_lora:
             self.lora = LoRAManager(
@@ -110,7 +130,8 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
                     "tandem.kv_cache.num_blocks": self.num_blocks,
                     "tandem.kv_cache.block_size": config.block_size,
                     "tandem.kv_cache.bytes": self.num_blocks
-                    * kv_cache_block_bytes(self.model_config, config.block_size, config.torch_dtype),
+                    * kv_cache_block_bytes(self.shard_config, config.block_size, config.torch_dtype),
+                    "tandem.tensor_parallel_size": config.tensor_parallel_size,
                 })
         self.kv_manager = KVCacheManager(self.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -129,7 +150,8 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
             cache_size=config.structured_output_cache_size,
         )
         self.runner = ModelRunner(
-            config, self.model, self.model_config, kv_caches, self.kv_manager, self.structured, self.lora
+            config, self.model, self.model_config, kv_caches, self.kv_manager, self.structured, self.lora,
+            self.executor,
         )
         # Requests ended outside a step's forward pass (aborts, expired deadlines): the
         # next outputs report them.
@@ -151,6 +173,9 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
 
     def _load_model(self) -> tuple[torch.nn.Module, ModelConfig]:
         cfg = self.config
+        if self.executor is not None:
+            model = load_shard(cfg, self.executor.comm, self.executor.device)
+            return model, model.plan.config
         model, model_config = load_model(cfg.model, cfg.torch_dtype, cfg.torch_device, self._ops)
         if cfg.resolved_linear_backend == "onednn":
             model.pack_linears()
@@ -158,8 +183,10 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
 
     def _allocate_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         cfg = self.config
+        if self.executor is not None:
+            self.executor.allocate_kv_cache(self.num_blocks)
         return allocate_kv_caches(
-            self.model_config, self.num_blocks, cfg.block_size, cfg.torch_dtype, cfg.torch_device
+            self.shard_config, self.num_blocks, cfg.block_size, cfg.torch_dtype, cfg.torch_device
         )
 
     def _resolve_max_model_len(self, mc: ModelConfig) -> int:
@@ -183,7 +210,12 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
 
     def _num_kv_blocks(self) -> int:
         cfg = self.config
-        block_bytes = kv_cache_block_bytes(self.model_config, cfg.block_size, cfg.torch_dtype)
+        # Per rank: each rank's memory holds its own kv heads of every block; with an
+        # uneven split the rank with the most decides.
+        sizing = self.shard_config
+        if self.executor is not None:
+            sizing = dataclasses.replace(sizing, num_kv_heads=self.model.plan.max_num_kv_heads)
+        block_bytes = kv_cache_block_bytes(sizing, cfg.block_size, cfg.torch_dtype)
         if cfg.num_gpu_blocks_override is not None:
             num_blocks = cfg.num_gpu_blocks_override
             source = "num_gpu_blocks_override"
@@ -211,7 +243,7 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
     def _dummy_forward(self) -> None:
         """A forward of max_num_batched_tokens tokens on a throwaway one-block cache."""
         n = min(self.config.max_num_batched_tokens, self.max_model_len)
-        mc, dev = self.model_config, self.config.torch_device
+        mc, dev = self.shard_config, self.config.torch_device
         caches = allocate_kv_caches(mc, -(-n // self.config.block_size), self.config.block_size, self.config.torch_dtype, dev)
         attn = AttentionMetadata(
             slot_mapping=torch.arange(n, device=dev),
@@ -223,6 +255,8 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
         )
         with torch.inference_mode():
             ids = torch.zeros(n, dtype=torch.int64, device=dev)
+            if self.executor is not None:  # every rank runs it, on a scratch cache alike
+                self.executor.broadcast_step(ids, torch.arange(n, device=dev), attn, [n - 1], len(caches[0][0]))
             hidden = self.model(ids, torch.arange(n, device=dev), caches, attn)
             self.model.compute_logits(hidden[-1:])
         del caches
@@ -288,12 +322,33 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
         if sched.is_empty and self.structured.num_compiling:
             self.structured.wait_for_compile(_COMPILE_POLL_S)  # nothing else to run yet
         start = time.monotonic()
-        result = self.runner.execute(sched) if not sched.is_empty else RunnerOutput()
+        result = self._execute(sched) if not sched.is_empty else RunnerOutput()
         now = time.monotonic()
         scheduler.prefill_bound.observe(sched.num_scheduled_tokens, now - start)
         finished = scheduler.update_after_step(sched, result.sampled, result.pooled)
         self.admission.drain_rate.observe(now, scheduler.take_num_admitted(), len(scheduler.waiting))
         return self._make_outputs(sched, result, finished)
+
+    def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        if self.executor is None:
+            return self.runner.execute(sched)
+        try:
+            return self.runner.execute(sched)
+        except WorkerDiedError:
+            raise
+        except Exception as exc:  # the ranks are out of step now: the engine is done
+            raise self.executor.fail(exc) from exc
+
+    def check_health(self) -> None:
+        """Raise WorkerDiedError when a tensor-parallel worker died (the core is dead)."""
+        if self.executor is not None:
+            self.executor.check_alive()
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the tensor-parallel workers, if any (see TensorParallelExecutor.shutdown).
+        The core is unusable afterwards."""
+        if getattr(self, "executor", None) is not None:
+            self.executor.shutdown(graceful)
 
     def _fail_bad_constraints(self) -> list[Request]:
         """End the requests whose structured-output constraint did not compile."""

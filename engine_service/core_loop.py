@@ -44,6 +44,9 @@ logger = logging.getLogger(__name__)
 
 # Seconds without work after which the loop gives the heap's free pages back to the OS.
 IDLE_RELEASE_S = 1.0
+# While idle, how often the loop asks the core whether it can still run (a
+# tensor-parallel worker may die between steps).
+HEALTH_POLL_S = 1.0
 
 
 class InputType(enum.Enum):
@@ -81,7 +84,7 @@ UTILITY_METHODS: dict[str, Callable[..., Any]] = {
     "start_profile": lambda core: core.profiler.start(),
     "stop_profile": lambda core: core.profiler.stop(),
     "get_supported_tasks": lambda core: list(core.supported_tasks),
-    "check_health": lambda core: None,  # answered at all: the step thread is alive
+    "check_health": lambda core: core.check_health(),  # answered: the step thread is alive
     # LoRA adapters, as vLLM names them (InvalidRequestError -> a failure message).
     "add_lora": lambda core, lora_request: core.add_lora(lora_request),
     "remove_lora": lambda core, lora_id: core.remove_lora(int(lora_id)),
@@ -164,23 +167,29 @@ class EngineCoreLoop:
             return
         self.started.set_result(core)
         try:
-            while True:
-                block = not core.has_unfinished_requests()
-                if not self._drain_inputs(core, block):
-                    return
-                self._beat(core)
-                if core.has_unfinished_requests():
-                    self._released = False
-                    self.outputs.put(core.step())
-                    self._beat(core)  # before it may block: an idle loop is not busy
-                else:
-                    idle = core.take_abort_outputs()
-                    if idle is not None:
-                        self.outputs.put(idle)
+            self._loop(core)
         except Exception as exc:  # the core is broken: report and stop
             logger.error("engine core failed:\n%s", traceback.format_exc())
             self.dead = EngineDead(f"engine core failed: {type(exc).__name__}: {exc}")
             self.outputs.put(self.dead)
+        finally:
+            core.shutdown()
+
+    def _loop(self, core: EngineCore) -> None:
+        """Drain inputs and step until SHUTDOWN; raises when the core fails."""
+        while True:
+            block = not core.has_unfinished_requests()
+            if not self._drain_inputs(core, block):
+                return
+            self._beat(core)
+            if core.has_unfinished_requests():
+                self._released = False
+                self.outputs.put(core.step())
+                self._beat(core)  # before it may block: an idle loop is not busy
+            else:
+                idle = core.take_abort_outputs()
+                if idle is not None:
+                    self.outputs.put(idle)
 
     def _beat(self, core: EngineCore) -> None:
         self.busy = core.has_unfinished_requests()
@@ -197,9 +206,9 @@ class EngineCoreLoop:
                 except queue.Empty:
                     self._released = True
                     release_free_memory()
-                    item = self.inputs.get()
+                    item = self._wait_input(core)
             else:
-                item = self.inputs.get(block=block)
+                item = self._wait_input(core) if block else self.inputs.get_nowait()
         except queue.Empty:
             return True
         while True:
@@ -211,6 +220,14 @@ class EngineCoreLoop:
                 item = self.inputs.get_nowait()
             except queue.Empty:
                 return True
+
+    def _wait_input(self, core: EngineCore) -> tuple[InputType, Any]:
+        """Block for the next input, checking the core's health every HEALTH_POLL_S."""
+        while True:
+            try:
+                return self.inputs.get(timeout=HEALTH_POLL_S)
+            except queue.Empty:
+                core.check_health()
 
     def _apply(self, core: EngineCore, kind: InputType, payload: Any) -> None:
         if kind is InputType.ADD:

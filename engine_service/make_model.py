@@ -10,6 +10,7 @@ tiny models give diverse greedy outputs. The same arguments always give the same
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import random
 import shutil
@@ -232,11 +233,13 @@ def make_model(
     weight_std: float | None = None,
     tie_word_embeddings: bool | None = None,
     max_shard_size: int | str | None = None,
+    num_kv_heads: int | None = None,
 ) -> str:
     """Write a random checkpoint plus tokenizer to ``out_dir`` and return its path.
 
     ``max_shard_size`` (bytes or e.g. "200KB") splits the weights into several files
     with a ``model.safetensors.index.json``; by default they go in one file.
+    ``num_kv_heads`` overrides the preset's (it must divide its attention heads).
     """
     if arch not in ARCHITECTURES:
         raise ValueError(f"arch must be one of {', '.join(ARCHITECTURES)}, got {arch!r}")
@@ -247,6 +250,10 @@ def make_model(
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     spec = PRESETS[preset]
+    if num_kv_heads is not None:
+        if isinstance(num_kv_heads, bool) or num_kv_heads < 1 or spec.num_heads % num_kv_heads:
+            raise ValueError(f"num_kv_heads must divide num_heads={spec.num_heads}, got {num_kv_heads!r}")
+        spec = dataclasses.replace(spec, num_kv_heads=num_kv_heads)
     std = spec.weight_std if weight_std is None else weight_std
     if not std > 0:
         raise ValueError(f"weight_std must be positive, got {std!r}")

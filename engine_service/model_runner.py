@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,6 +25,9 @@ from engine_service.structured_output import StructuredOutputManager
 from tandem.protocol.model_config import ModelConfig
 from tandem.protocol.outputs import Logprobs
 
+if TYPE_CHECKING:
+    from engine_service.distributed.executor import TensorParallelExecutor
+
 logger = logging.getLogger(__name__)
 
 
@@ -43,6 +47,11 @@ class BatchInputs:
     sample_rows: list[int]  # row of the last token of each sampling request, in batch order
     sample_idx: list[int]  # index into SchedulerOutput.scheduled of each sampling request
     pool_idx: list[int]  # index into SchedulerOutput.scheduled of each pooling request
+    # Rows of the hidden state the LM head reads this step, in one call: each prompt-
+    # logprobs chunk's rows (request order), then ``sample_rows``.
+    logit_rows: list[int] = field(default_factory=list)
+    # scheduled index -> (first row in the logits, row count) of its prompt-logprobs chunk
+    prompt_logit_spans: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
 def kv_cache_block_bytes(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -75,7 +84,10 @@ class ModelRunner:
         kv_manager: KVCacheManager,
         structured: StructuredOutputManager | None = None,
         lora: LoRAManager | None = None,
+        executor: TensorParallelExecutor | None = None,
     ) -> None:
+        """``executor``: with tensor parallelism, ``model`` is rank 0's shard and every
+        forward is first broadcast to the other ranks; None: one process."""
         self.config = config
         self.model = model
         self.model_config = model_config
@@ -86,6 +98,7 @@ class ModelRunner:
         self.sampler = _sampler_for(config)
         self.structured = structured
         self.lora = lora  # None: LoRA off, the forward never looks at adapters
+        self.executor = executor
 
     # ---- inputs --------------------------------------------------------------
 
@@ -135,7 +148,19 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
         )
         positions = torch.from_numpy(np.concatenate(position_chunks)).to(dev)
-        return BatchInputs(input_ids, positions, attn, sample_rows, sample_idx, pool_idx)
+        batch = BatchInputs(input_ids, positions, attn, sample_rows, sample_idx, pool_idx)
+        for i, entry in enumerate(sched.scheduled):
+            request = entry.request
+            if not request.prompt_logprobs_pending:
+                continue
+            start = request.num_computed_tokens
+            count = min(start + entry.num_new_tokens, request.num_prompt_tokens - 1) - start
+            if count > 0:
+                batch.prompt_logit_spans[i] = (len(batch.logit_rows), count)
+                row0 = int(query_start[i])
+                batch.logit_rows.extend(range(row0, row0 + count))
+        batch.logit_rows.extend(sample_rows)
+        return batch
 
     # ---- forward + sampling --------------------------------------------------------
 
@@ -149,18 +174,22 @@ class ModelRunner:
             self.lora.begin_step(
                 [e.request.lora_int_id for e in sched.scheduled], [e.num_new_tokens for e in sched.scheduled]
             )
+        if self.executor is not None:
+            self.executor.broadcast_step(batch.input_ids, batch.positions, batch.attn, batch.logit_rows)
         try:
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
         finally:
             if self.lora is not None:
                 self.lora.end_step()
+        # [len(logit_rows), vocab] float32; one LM-head call (a collective under TP)
+        all_logits = self.model.compute_logits(hidden[batch.logit_rows]) if batch.logit_rows else None
         out = RunnerOutput()
-        self._prompt_logprobs(sched, batch, hidden, out)
+        self._prompt_logprobs(sched, batch, all_logits, out)
         if batch.pool_idx:
             self._pool(sched, batch, hidden, out)
         if not batch.sample_rows:
             return out
-        logits = self.model.compute_logits(hidden[batch.sample_rows])  # [B, vocab] float32
+        logits = all_logits[len(batch.logit_rows) - len(batch.sample_rows) :]  # [B, vocab]
         if mask is not None:
             self.structured.apply(logits, mask)  # before sampling: logprobs see the mask
         metadata = SamplingMetadata.from_requests(
@@ -194,7 +223,7 @@ class ModelRunner:
                 out.pooled[request.request_id] = vector
 
     def _prompt_logprobs(
-        self, sched: SchedulerOutput, batch: BatchInputs, hidden: torch.Tensor, out: RunnerOutput
+        self, sched: SchedulerOutput, batch: BatchInputs, all_logits: torch.Tensor | None, out: RunnerOutput
     ) -> None:
         """Logprobs of each prompt token given its prefix, gathered chunk by chunk.
 
@@ -209,8 +238,8 @@ class ModelRunner:
             start, n = request.num_computed_tokens, entry.num_new_tokens
             end = min(start + n, request.num_prompt_tokens - 1)
             if end > start:
-                row0 = int(batch.attn.query_start_loc[i])
-                logits = self.model.compute_logits(hidden[row0 : row0 + end - start])
+                first, count = batch.prompt_logit_spans[i]
+                logits = all_logits[first : first + count]
                 targets = torch.tensor(
                     request.prompt_token_ids[start + 1 : end + 1], device=logits.device
                 )

@@ -29,6 +29,7 @@ class SleepMode:
     scheduler: Any
     sleep_level: int
     engine_index: int
+    executor: Any  # TensorParallelExecutor | None: the workers sleep and wake alike
 
     def sleep(self, level: int = 1) -> None:
         """Give back memory while idle. Level 1: the KV cache (and, on CUDA, the weights
@@ -45,6 +46,8 @@ class SleepMode:
         if level <= self.sleep_level:
             return
         self.kv_manager.reset_prefix_cache()
+        if self.executor is not None:
+            self.executor.sleep(level)
         self.runner.kv_caches = []
         if level == 2:
             self.model = self.runner.model = None  # type: ignore[assignment]
@@ -64,6 +67,8 @@ class SleepMode:
         """Undo ``sleep``: weights back (reloaded at level 2), a fresh KV cache."""
         if not self.sleep_level:
             return
+        if self.executor is not None:
+            self.executor.wake_up()
         if self.sleep_level == 2:
             self.model, _ = self._load_model()  # type: ignore[attr-defined]
             if self.lora is not None:

@@ -122,3 +122,16 @@ def test_decode_profile_accounts_for_the_step() -> None:
     total = [sum(col) for col in zip(*(values(n) for n in decode_profile.ORDER))]
     for got, want in zip(total, step):
         assert got == pytest.approx(want, rel=0.02, abs=0.05)
+
+
+def test_tensor_parallel_benchmark_smoke(tmp_path: Path) -> None:
+    """TP=1 vs TP=2 and the gloo all-reduce measurement at a tiny size (numbers printed, not asserted)."""
+    env = dict(os.environ, TANDEM_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.tensor_parallel", "--smoke"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    assert "gloo all-reduce, 2 ranks" in proc.stdout
+    assert "Llama-3.1-70B" in proc.stdout
+    assert "greedy tokens TP=1 vs TP=2: same" in proc.stdout

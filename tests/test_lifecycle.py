@@ -94,6 +94,12 @@ class HangingCore:
     def abort_requests(self, request_ids: list[str]) -> None:
         pass
 
+    def check_health(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
 
 def _request(rid: str = "r", max_tokens: int = 4) -> EngineCoreRequest:
     return EngineCoreRequest(rid, [1, 2, 3], SamplingParams(max_tokens=max_tokens))

@@ -243,7 +243,7 @@ class DecoderForCausalLM(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} KV caches (one per layer), got {len(kv_caches)}")
         num_tokens = input_ids.shape[0]
-        hidden = F.embedding(input_ids, self.embed_tokens)  # [num_tokens, hidden_size]
+        hidden = self.embed(input_ids)  # [num_tokens, hidden_size]
         # One attention output buffer reused by every layer (o_proj consumes it at once).
         attn_out = hidden.new_empty(num_tokens, self.config.num_heads, self.config.head_dim)
         residual: torch.Tensor | None = None
@@ -253,6 +253,10 @@ class DecoderForCausalLM(nn.Module):
             )
         hidden, _ = self.ops.rms_norm(hidden, self.norm.weight, self.config.rms_norm_eps, residual)
         return hidden
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[num_tokens]`` ids -> ``[num_tokens, hidden_size]`` embeddings."""
+        return F.embedding(input_ids, self.embed_tokens)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden_size]`` -> ``[n, vocab_size]`` float32 logits."""

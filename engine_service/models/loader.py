@@ -29,11 +29,23 @@ _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 
 @dataclass(frozen=True)
 class WeightTarget:
-    """Where one checkpoint tensor goes: rows ``[row_start, row_start + shape[0])`` of ``param``."""
+    """Where one checkpoint tensor goes: rows ``[row_start, row_start + num_rows)`` of ``param``.
+
+    ``take`` (a tensor-parallel shard): only ``[start, stop)`` along dimension ``dim`` of
+    the checkpoint tensor is read; None: all of it.
+    """
 
     param: str  # name in model.named_parameters()
     row_start: int  # first row inside the (possibly fused) parameter
-    shape: tuple[int, ...]  # expected checkpoint tensor shape
+    shape: tuple[int, ...]  # expected checkpoint tensor shape (the whole tensor)
+    take: tuple[int, int, int] | None = None  # (dim, start, stop)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows this target writes into ``param``."""
+        if self.take is not None and self.take[0] == 0:
+            return self.take[2] - self.take[1]
+        return self.shape[0]
 
 
 def weight_targets(config: ModelConfig) -> dict[str, WeightTarget]:
@@ -111,15 +123,21 @@ def checkpoint_files(model_dir: str) -> list[str]:
 class WeightLoader:
     """Copies checkpoint tensors into a model's parameters, tracking what was written."""
 
-    def __init__(self, model: DecoderForCausalLM, config: ModelConfig) -> None:
+    def __init__(
+        self,
+        model: DecoderForCausalLM,
+        config: ModelConfig,
+        targets: dict[str, WeightTarget] | None = None,
+    ) -> None:
+        """``targets``: default ``weight_targets(config)`` (the whole model)."""
         self._params = dict(model.named_parameters())
-        self._targets = weight_targets(config)
+        self._targets = weight_targets(config) if targets is None else targets
         self._loaded_from: dict[str, str] = {}  # checkpoint tensor name -> file it came from
         # Some tied checkpoints also store a copy of the embedding as lm_head.weight.
         self._skip_lm_head = config.tie_word_embeddings
         for name, target in self._targets.items():
             param = self._params.get(target.param)
-            if param is None or target.row_start + target.shape[0] > param.shape[0]:
+            if param is None or target.row_start + target.num_rows > param.shape[0]:
                 raise RuntimeError(f"internal: no room for {name} in parameter {target.param}")
 
     def load_file(self, path: str) -> None:
@@ -140,8 +158,8 @@ class WeightLoader:
                         f"{path}: tensor {name!r} has shape {list(shape)}, expected {list(target.shape)}"
                     )
                 param = self._params[target.param]
-                rows = param.data[target.row_start : target.row_start + target.shape[0]]
-                rows.copy_(f.get_tensor(name))  # casts to the parameter's dtype and device
+                rows = param.data[target.row_start : target.row_start + target.num_rows]
+                rows.copy_(_read(f, name, target))  # casts to the parameter's dtype and device
                 self._loaded_from[name] = path
 
     def check_complete(self, model_dir: str) -> None:
@@ -149,6 +167,15 @@ class WeightLoader:
         if missing:
             shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
             raise ModelLoadError(f"{model_dir}: checkpoint lacks tensors {shown}")
+
+
+def _read(f: object, name: str, target: WeightTarget) -> torch.Tensor:
+    """The checkpoint tensor, or only its ``take`` slice (read without the rest)."""
+    if target.take is None:
+        return f.get_tensor(name)  # type: ignore[attr-defined]
+    dim, start, stop = target.take
+    part = f.get_slice(name)  # type: ignore[attr-defined]
+    return part[start:stop] if dim == 0 else part[:, start:stop]
 
 
 def load_model(
