@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
+from frontend_service.control import PauseMode
 from frontend_service.engine_client import EngineUnavailableError
 
 if TYPE_CHECKING:
-    from frontend_service.control import PauseMode
-from frontend_service.engine_group import EngineGroup
+    from frontend_service.engine_group import EngineGroup
 
 
 class EngineUtilities:
