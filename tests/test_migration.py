@@ -180,29 +180,44 @@ def _migrations(log: str) -> int:
     return len(re.findall(r"request \S+ migrated from engine", log))
 
 
+def _engines_back(serve: ServiceProcess) -> None:
+    """Wait until every restarted engine is back in this frontend's placement."""
+    def back() -> bool:
+        log = serve.log()
+        return all(
+            len(re.findall(rf"engine {i} at \S+ is back", log)) >= len(re.findall(rf"engine {i} started", log)) - 1
+            for i in range(2)
+        )
+    _wait(lambda: back() or not serve.alive, "restarted engines to be back", START_TIMEOUT)
+    assert serve.alive, serve.log_tail()
+
+
+def _lose_engine_mid_stream(
+    serve: ServiceProcess, undisturbed: tuple[list[frontend_pb2.GenerateRequest], list[Stream]],
+    index: int, sig: signal.Signals, reason: str,
+) -> None:
+    """Run the requests again, send ``sig`` to engine ``index`` mid-stream: every stream
+    equals the undisturbed run, and some moved off that engine for ``reason``."""
+    requests, expected = undisturbed
+    _engines_back(serve)
+    before = _migrations(serve.log())
+    victim = _engine_pid(serve.log(), index)
+    got = _run(serve.address, requests, lambda: os.kill(victim, sig))
+    _assert_same(expected, got)
+    log = serve.log()
+    assert _migrations(log) > before, f"no stream moved off engine {index}"
+    assert reason in log
+
+
 def test_a_sigkilled_engine_s_streams_continue_exactly(
     serve: ServiceProcess, undisturbed: tuple[list[frontend_pb2.GenerateRequest], list[Stream]]
 ) -> None:
-    requests, expected = undisturbed
-    before = _migrations(serve.log())
-    victim = _engine_pid(serve.log(), 0)
-    got = _run(serve.address, requests, lambda: os.kill(victim, signal.SIGKILL))
-    _assert_same(expected, got)
-    assert _migrations(serve.log()) > before, "no stream was on the killed engine"
-    assert "engine_dead" in serve.log()
+    _lose_engine_mid_stream(serve, undisturbed, 0, signal.SIGKILL, "engine_dead")
 
 
 def test_a_drained_engine_s_leftovers_continue_exactly(
     serve: ServiceProcess, undisturbed: tuple[list[frontend_pb2.GenerateRequest], list[Stream]]
 ) -> None:
-    requests, expected = undisturbed
-    # Both engines serve this frontend again (engine 0 was restarted after the SIGKILL).
-    _wait(lambda: re.search(r"engine 0 at \S+ is back", serve.log()) is not None or not serve.alive,
-          "the restarted engine 0 to be back", START_TIMEOUT)
-    assert serve.alive, serve.log_tail()
-    before = _migrations(serve.log())
-    victim = _engine_pid(serve.log(), 1)
-    got = _run(serve.address, requests, lambda: os.kill(victim, signal.SIGTERM))
-    _assert_same(expected, got)
-    assert _migrations(serve.log()) > before, "the drain left nothing to migrate"
-    assert "engine_drained" in serve.log()
+    """SIGTERM: the engine drains for --drain-timeout 0.3 s, then aborts what is left
+    with UNAVAILABLE; the frontend moves those streams on."""
+    _lose_engine_mid_stream(serve, undisturbed, 1, signal.SIGTERM, "engine_drained")
