@@ -23,7 +23,7 @@ import grpc
 import pytest
 
 from tandem.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
-from tests.e2e_helpers import ENGINE_ARGS, START_TIMEOUT, ServiceProcess, free_port
+from tests.e2e_helpers import ADMIN_METADATA, ENGINE_ARGS, START_TIMEOUT, ServiceProcess, free_port
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -181,14 +181,15 @@ def _migrations(log: str) -> int:
 
 
 def _engines_back(serve: ServiceProcess) -> None:
-    """Wait until every restarted engine is back in this frontend's placement."""
-    def back() -> bool:
-        log = serve.log()
-        return all(
-            len(re.findall(rf"engine {i} at \S+ is back", log)) >= len(re.findall(rf"engine {i} started", log)) - 1
-            for i in range(2)
-        )
-    _wait(lambda: back() or not serve.alive, "restarted engines to be back", START_TIMEOUT)
+    """Wait until the frontend places on both engines again (a killed or drained one is
+    restarted by serve and rejoins): FrontendAdmin.ListEngines says SERVING twice."""
+    def serving() -> int:
+        with grpc.insecure_channel(serve.address) as channel:
+            reply = frontend_pb2_grpc.FrontendAdminStub(channel).ListEngines(
+                frontend_pb2.ListEnginesRequest(), timeout=10, metadata=ADMIN_METADATA
+            )
+        return sum(e.state == frontend_pb2.ENGINE_STATE_SERVING for e in reply.engines)
+    _wait(lambda: not serve.alive or serving() == 2, "both engines to serve this frontend", START_TIMEOUT)
     assert serve.alive, serve.log_tail()
 
 
