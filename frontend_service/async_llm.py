@@ -119,6 +119,7 @@ class AsyncLLM(EngineUtilities, Pooling, Sessions, Migration, RequestControl, Re
         self._seq_times: dict[str, SequenceTimes] = {}
         self.admission = admission
         self.migration = migration or MigrationConfig()
+        self._migration_waits: set[asyncio.Task[None]] = set()
         self._owner: dict[str, str] = {}  # engine request id -> internal request id
         # Engine request ids of streams placed again on another engine: outputs for them
         # from any other engine are stale (aborted there) and dropped.

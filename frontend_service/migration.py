@@ -18,16 +18,20 @@ sampling continues with fresh randomness (a valid sample, not the one the lost e
 would have drawn); tokens the lost engine produced that never reached the frontend are
 generated again (the client never saw them); streaming-input sessions are not migrated
 (their history lives in one engine's KV cache) and fail UNAVAILABLE as before. A request
-migrates at most ``max_migrations`` times; after that, or with no engine left, it fails
-with UNAVAILABLE.
+migrates at most ``max_migrations`` times; after that it fails with UNAVAILABLE. With no
+serving engine at that moment (one engine lost while the other restarts, a rolling
+restart), the stream waits up to ``wait_s`` seconds (within its deadline) for one to
+serve, then fails with UNAVAILABLE.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import enum
 import logging
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -44,6 +48,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MIGRATIONS = 3
+DEFAULT_WAIT_S = 10.0
+_WAIT_POLL_S = 0.05  # how often a waiting stream looks for a serving engine
 
 
 @dataclass(frozen=True)
@@ -52,10 +58,13 @@ class MigrationConfig:
 
     enabled: bool = True  # --no-request-migration turns it off: such requests fail UNAVAILABLE
     max_migrations: int = DEFAULT_MAX_MIGRATIONS  # per request; one more loss fails it
+    wait_s: float = DEFAULT_WAIT_S  # with no serving engine, how long a stream waits for one
 
     def __post_init__(self) -> None:
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
+        if not self.wait_s >= 0:
+            raise ValueError(f"wait_s must be >= 0, got {self.wait_s}")
 
 
 class MigrationReason(enum.Enum):
@@ -79,19 +88,60 @@ class Migration:
 
     migration: MigrationConfig
     _moved: set[str]
+    _migration_waits: set[asyncio.Task[None]]  # streams waiting for a serving engine
 
     def _migrate(self, internal_id: str, stream: _Stream, reason: MigrationReason, why: str) -> bool:
-        """Continue ``stream`` on another engine; False when it cannot (migration off, the
-        request's limit reached, a session, no other engine): the caller fails it."""
-        llm: Any = self
+        """Continue ``stream`` on another engine, now or (no engine serving) once one
+        serves within ``wait_s``; False when it cannot (migration off, the request's limit
+        reached, a session, nothing to continue): the caller fails it."""
         config = self.migration
         if not config.enabled or stream.session or stream.migrations >= config.max_migrations:
             return False
-        lost = stream.engine
+        llm: Any = self
         try:
-            target: EngineConnection = llm.engines.pick(stream.requests[0], exclude=[lost])
-        except EngineUnavailableError:
-            return False
+            target: EngineConnection = llm.engines.pick(stream.requests[0], exclude=[stream.engine])
+        except EngineUnavailableError as exc:
+            if config.wait_s <= 0:
+                return False
+            self._moved.update(stream.engine_request_ids)  # the lost engine's late outputs: stale
+            task = asyncio.ensure_future(self._wait_and_move(internal_id, stream, reason, why, str(exc)))
+            self._migration_waits.add(task)
+            task.add_done_callback(self._migration_waits.discard)
+            return True
+        return self._move(internal_id, stream, target, reason, why)
+
+    async def _wait_and_move(
+        self, internal_id: str, stream: _Stream, reason: MigrationReason, why: str, unavailable: str
+    ) -> None:
+        """Poll for a serving engine for ``wait_s`` (and within the deadline); fail the
+        stream UNAVAILABLE if none comes, stop if the caller went away."""
+        llm: Any = self
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self.migration.wait_s
+        if stream.deadline is not None:
+            until = min(until, loop.time() + stream.deadline - time.monotonic())
+        logger.info("request %s waits up to %.1f s for a serving engine (%s)", internal_id, until - loop.time(), why)
+        while llm.streams.get(internal_id) is stream and not stream.finished:
+            try:  # any serving engine, the lost one too once it is back (restarted)
+                target = llm.engines.pick(stream.requests[0])
+            except EngineUnavailableError as exc:
+                unavailable = str(exc)
+                if loop.time() >= until:
+                    llm._fail(internal_id, stream, EngineUnavailableError(f"{why}; and then {unavailable}"))
+                    return
+                await asyncio.sleep(_WAIT_POLL_S)
+                continue
+            if not self._move(internal_id, stream, target, reason, why):
+                llm._fail(internal_id, stream, EngineUnavailableError(why))
+            return
+
+    def _move(
+        self, internal_id: str, stream: _Stream, target: EngineConnection, reason: MigrationReason, why: str
+    ) -> bool:
+        """Send ``stream``'s unfinished requests to ``target`` as continuations."""
+        llm: Any = self
+        config = self.migration
+        lost = stream.engine
         requests = []
         for request in stream.requests:
             if request.pooling_params is not None:  # no tokens: sent again as it was
@@ -139,6 +189,13 @@ def add_migration_cli(p: argparse.ArgumentParser) -> None:
         "continuing it on another engine (env TANDEM_REQUEST_MIGRATION=0; default: migrate).",
     )
     p.add_argument(
+        "--request-migration-wait", type=float,
+        default=float(env("TANDEM_REQUEST_MIGRATION_WAIT", str(DEFAULT_WAIT_S))),
+        help="Seconds a stream whose engine was lost waits for a serving engine when none is "
+        "serving at that moment (within its deadline), then fails with UNAVAILABLE; 0: fail at "
+        f"once (env TANDEM_REQUEST_MIGRATION_WAIT; default {DEFAULT_WAIT_S:g}).",
+    )
+    p.add_argument(
         "--max-request-migrations", type=int,
         default=int(env("TANDEM_MAX_REQUEST_MIGRATIONS", str(DEFAULT_MAX_MIGRATIONS))),
         help="Times one request may move to another engine; one more loss fails it with "
@@ -148,6 +205,6 @@ def add_migration_cli(p: argparse.ArgumentParser) -> None:
 
 def migration_config_from_args(args: argparse.Namespace) -> MigrationConfig:
     try:
-        return MigrationConfig(args.request_migration, args.max_request_migrations)
+        return MigrationConfig(args.request_migration, args.max_request_migrations, args.request_migration_wait)
     except ValueError as exc:
-        raise SystemExit(f"tandem: --max-request-migrations: {exc}") from None
+        raise SystemExit(f"tandem: migration settings: {exc}") from None

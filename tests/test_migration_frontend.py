@@ -120,15 +120,63 @@ def test_each_request_migrates_at_most_max_migrations_times(tokenizer: Any) -> N
     asyncio.run(scenario())
 
 
-def test_with_no_other_engine_the_stream_fails_unavailable(tokenizer: Any) -> None:
+def test_with_no_other_engine_and_no_wait_the_stream_fails_unavailable(tokenizer: Any) -> None:
     async def scenario() -> None:
         a = FakeEngine("a")
-        llm = _llm(tokenizer, FakeGroup(a))
+        llm = _llm(tokenizer, FakeGroup(a), MigrationConfig(wait_s=0))
         stream = llm.generate(_params(), prompt_token_ids=[5, 6, 7], request_id="r")
         first = await _started(stream)
         llm.on_engine_dead(a, "engine a: stream lost")  # type: ignore[arg-type]
         with pytest.raises(EngineUnavailableError):
             await first
+        assert llm.num_unfinished == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_stream_waits_for_an_engine_to_serve_again(tokenizer: Any) -> None:
+    """The only engine is lost (a rolling restart): the stream waits, and continues on the
+    first engine that serves; its caller sees no error."""
+    async def scenario() -> None:
+        a, b = FakeEngine("a"), FakeEngine("b")
+        group = FakeGroup(a)
+        llm = _llm(tokenizer, group, MigrationConfig(wait_s=30))
+        stream = llm.generate(_params(), prompt_token_ids=[5, 6, 7], request_id="r")
+        first = await _started(stream)
+        rid = a.added[0].request_id
+        llm.on_engine_outputs(a, _token(rid, 40))  # type: ignore[arg-type]
+        await first
+        group.engines.remove(a)  # dead: no longer placeable
+        llm.on_engine_dead(a, "engine a: stream lost")  # type: ignore[arg-type]
+        nxt = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0.2)
+        assert not nxt.done() and b.added == []  # waiting, not failed
+        group.engines.append(b)  # an engine serves again
+        while not b.added:
+            await asyncio.sleep(0.01)
+        assert b.added[0].generated_token_ids == [40]
+        from tandem.protocol.outputs import FinishReason
+
+        llm.on_engine_outputs(b, _token(rid, 41, FinishReason.LENGTH))  # type: ignore[arg-type]
+        out = await nxt
+        assert out.outputs[0].token_ids == [41] and out.finished
+
+    asyncio.run(scenario())
+
+
+def test_a_waiting_stream_fails_unavailable_when_no_engine_comes(tokenizer: Any) -> None:
+    async def scenario() -> None:
+        a = FakeEngine("a")
+        group = FakeGroup(a)
+        llm = _llm(tokenizer, group, MigrationConfig(wait_s=0.2))
+        stream = llm.generate(_params(), prompt_token_ids=[5, 6, 7], request_id="r")
+        first = await _started(stream)
+        llm.on_engine_outputs(a, _token(a.added[0].request_id, 40))  # type: ignore[arg-type]
+        await first
+        group.engines.remove(a)
+        llm.on_engine_dead(a, "engine a: stream lost")  # type: ignore[arg-type]
+        with pytest.raises(EngineUnavailableError, match="stream lost; and then no engine"):
+            await stream.__anext__()
         assert llm.num_unfinished == 0
 
     asyncio.run(scenario())
