@@ -24,6 +24,7 @@ from frontend_service.engine_client import EngineConnection, EngineUnavailableEr
 from frontend_service.engine_group import EngineGroup
 from frontend_service.errors import status_for
 from frontend_service.input_processor import InputProcessor
+from frontend_service.migration import MigrationConfig
 from tandem.health import LIVENESS, NOT_SERVING, READINESS, SERVING, ServiceHealth
 from tandem.protocol.outputs import (
     EngineCoreOutput,
@@ -332,9 +333,12 @@ def test_a_draining_refusal_moves_once_per_engine_and_the_caller_never_sees_it(t
 
 
 def _llm(tokenizer: Any) -> tuple[AsyncLLM, FakeEngine]:
+    """One fake engine that never dies; migration off, so an engine's status reaches the
+    caller (migration has its own tests: test_migration_frontend.py)."""
     engine = FakeEngine()
     processor = InputProcessor(tokenizer, 512, len(tokenizer), 5, tokenizer.eos_token_id)
-    return AsyncLLM(tokenizer, engine, processor), engine  # type: ignore[arg-type]
+    llm = AsyncLLM(tokenizer, engine, processor, migration=MigrationConfig(enabled=False))  # type: ignore[arg-type]
+    return llm, engine
 
 
 def test_an_engine_status_reaches_the_caller_as_that_status(tokenizer: Any) -> None:
