@@ -282,8 +282,7 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
             )
         if req.resumable and req.request_id in self.scheduler.sessions:
             if admission:  # a session's next turn queues its new tokens like a new request
-                waiting = self.scheduler.waiting
-                self.admission.check(len(waiting), waiting.num_tokens, len(req.prompt_token_ids))
+                self._check_admission(len(req.prompt_token_ids))
             self._resume_session(req)
             return
         self.validate_request(req)
@@ -295,10 +294,15 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
         if request.deadline is not None and request.deadline <= time.monotonic():
             raise RequestRejected(deadline_exceeded("the request's deadline passed before it was queued"))
         if admission:
-            waiting = self.scheduler.waiting
-            self.admission.check(len(waiting), waiting.num_tokens, request.num_tokens)
+            self._check_admission(request.num_tokens)
         self.structured.submit(request)  # a constraint starts compiling now
         self.scheduler.add_request(request)
+
+    def _check_admission(self, num_new_tokens: int) -> None:
+        """RequestRejected(RESOURCE_EXHAUSTED) when queueing ``num_new_tokens`` more would
+        cross the waiting queue's bounds (admission.py)."""
+        waiting = self.scheduler.waiting
+        self.admission.check(len(waiting), waiting.num_tokens, num_new_tokens)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Abort requests in any state; their blocks are free on return."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tandem.protocol.outputs import EngineCoreRequest
@@ -15,6 +16,7 @@ class Sessions:
     model_config: Any
     config: Any
     max_model_len: int
+    _check_token_ids: Callable[[str, Sequence[int]], None]
 
     def _resume_session(self, req: EngineCoreRequest) -> None:
         """The next turn of an idle streaming-input session: its new tokens appended."""
@@ -27,12 +29,9 @@ class Sessions:
                 "prompt_token_ids", f"<{len(req.prompt_token_ids)} tokens>",
                 f"the session's {total} tokens leave no room to generate within max_model_len={self.max_model_len}",
             )
-        vocab = self.model_config.vocab_size
-        bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError("prompt_token_ids", bad[0], f"token id outside the vocabulary [0, {vocab})")
+        self._check_token_ids("prompt_token_ids", req.prompt_token_ids)  # (RequestValidation's)
         self._check_session(req)
-        req.sampling_params.validate(vocab, self.config.max_logprobs)
+        req.sampling_params.validate(self.model_config.vocab_size, self.config.max_logprobs)
         self.scheduler.resume(req.request_id, list(req.prompt_token_ids), req.sampling_params)
 
     def _check_session(self, req: EngineCoreRequest) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tandem.protocol.outputs import EngineCoreRequest
@@ -32,14 +32,8 @@ class RequestValidation:
                 f"prompt of {len(prompt)} tokens leaves no room to generate within "
                 f"max_model_len={self.max_model_len}",
             )
+        self._check_token_ids("prompt_token_ids", prompt)
         vocab = self.model_config.vocab_size
-        lo, hi = min(prompt), max(prompt)
-        if lo < 0 or hi >= vocab:
-            bad = lo if lo < 0 else hi
-            index = prompt.index(bad)
-            raise InvalidRequestError(
-                f"prompt_token_ids[{index}]", bad, f"token id outside the vocabulary [0, {vocab})"
-            )
         if req.generated_token_ids:
             self._check_continuation(req)
         if req.resumable:
@@ -74,9 +68,12 @@ class RequestValidation:
             raise InvalidRequestError(
                 field, f"<{len(generated)} tokens>", f"already max_tokens={params.max_tokens} tokens: nothing left"
             )
+        self._check_token_ids(field, generated)
+
+    def _check_token_ids(self, field: str, ids: Sequence[int]) -> None:
+        """Every id of the non-empty ``ids`` in the vocabulary; the error names the index."""
         vocab = self.model_config.vocab_size
-        bad = next((t for t in generated if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise InvalidRequestError(
-                f"{field}[{generated.index(bad)}]", bad, f"token id outside the vocabulary [0, {vocab})"
-            )
+        lo, hi = min(ids), max(ids)
+        if lo < 0 or hi >= vocab:
+            bad = lo if lo < 0 else hi
+            raise InvalidRequestError(f"{field}[{ids.index(bad)}]", bad, f"token id outside the vocabulary [0, {vocab})")
