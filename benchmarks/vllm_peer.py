@@ -262,17 +262,25 @@ def serve_command(
     served_model_name: str | None = None,
     extra: Sequence[str] = (),
 ) -> list[str]:
-    cmd = [
-        venv_bin(venv, "vllm"), "serve", model,
+    return [
+        venv_bin(venv, "vllm"), "serve", model, "--disable-uvicorn-access-log",
+        *engine_args(port, seed, max_num_seqs, max_num_batched_tokens, served_model_name), *extra,
+    ]
+
+
+def engine_args(
+    port: int, seed: int, max_num_seqs: int, max_num_batched_tokens: int, served_model_name: str | None
+) -> list[str]:
+    """The settings every vLLM peer server runs with (HTTP ``serve`` and the gRPC launcher)."""
+    args = [
         "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "float32", "--enforce-eager", "--seed", str(seed),
         "--max-num-seqs", str(max_num_seqs),
         "--max-num-batched-tokens", str(max_num_batched_tokens),
-        "--disable-uvicorn-access-log",
     ]  # fmt: skip
     if served_model_name:
-        cmd += ["--served-model-name", served_model_name]
-    return cmd + list(extra)
+        args += ["--served-model-name", served_model_name]
+    return args
 
 
 def completion_body(model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:

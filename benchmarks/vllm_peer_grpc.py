@@ -42,6 +42,7 @@ from typing import IO, Any
 from benchmarks.common import make_workload, read_model_config
 from benchmarks.vllm_peer import (
     check_model,
+    engine_args,
     log,
     peer_env,
     require_venv,
@@ -66,16 +67,10 @@ def grpc_command(
     extra: Sequence[str] = (),
 ) -> list[str]:
     """The gRPC server's command line: the same engine settings as ``serve_command``."""
-    cmd = [
+    return [
         venv_bin(venv, "python"), "-m", LAUNCHER, "--model", model,
-        "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--enforce-eager", "--seed", str(seed),
-        "--max-num-seqs", str(max_num_seqs),
-        "--max-num-batched-tokens", str(max_num_batched_tokens),
-    ]  # fmt: skip
-    if served_model_name:
-        cmd += ["--served-model-name", served_model_name]
-    return cmd + list(extra)
+        *engine_args(port, seed, max_num_seqs, max_num_batched_tokens, served_model_name), *extra,
+    ]
 
 
 @dataclass
