@@ -89,12 +89,22 @@ class EngineConfig:
             "cpu on CPU when its kernel builds, else torch."
         },
     )
-    linear_backend: Literal["auto", "torch", "onednn"] = field(
+    linear_backend: Literal["auto", "torch", "onednn", "panel"] = field(
         default="auto",
         metadata={
-            "help": "Linear layers: onednn (CPU, weights reordered once at load), torch "
-            "(F.linear), auto: onednn on CPU for float32, and for bfloat16 where the CPU has "
-            "the ISA for it, else torch."
+            "help": "Linear layers: panel (CPU float32, the native kernel over weights packed "
+            "in 16-column panels at load), onednn (CPU, weights reordered once at load), torch "
+            "(F.linear). auto: panel on CPU for float32 when the native kernels build, onednn "
+            "for bfloat16 where the CPU has the ISA for it, else torch."
+        },
+    )
+    quantization: Literal["none", "int8"] = field(
+        default="none",
+        metadata={
+            "help": "Weight-only quantization computed at load: int8 stores every linear "
+            "layer and the LM head as int8 with one float32 scale per output channel "
+            "(activations stay float32); CPU, float32 models, panel linear backend. "
+            "Default none."
         },
     )
     max_pending_requests: int | None = field(
@@ -239,8 +249,12 @@ class EngineConfig:
             raise ConfigError(
                 f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}"
             )
-        if self.linear_backend not in ("auto", "torch", "onednn"):
-            raise ConfigError(f"linear_backend must be auto, torch or onednn, got {self.linear_backend!r}")
+        if self.linear_backend not in ("auto", "torch", "onednn", "panel"):
+            raise ConfigError(
+                f"linear_backend must be auto, torch, onednn or panel, got {self.linear_backend!r}"
+            )
+        if self.quantization not in ("none", "int8"):
+            raise ConfigError(f"quantization must be none or int8, got {self.quantization!r}")
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise ConfigError(
                 f"attention_backend must be auto, torch, cpu or triton, got {self.attention_backend!r}"
@@ -298,13 +312,25 @@ class EngineConfig:
         return self.attention_backend
 
     @property
-    def resolved_linear_backend(self) -> Literal["torch", "onednn"]:
-        """auto: oneDNN where this CPU runs it in this dtype (bfloat16 needs AVX-512 BW/VL/DQ
-        or AVX-NE-CONVERT), else F.linear, so every dtype runs on any x86-64 CPU."""
+    def resolved_linear_backend(self) -> Literal["torch", "onednn", "panel"]:
+        """auto: the panel kernel on CPU for float32 (and always with int8 weights) where
+        the native kernels build; oneDNN where this CPU runs it in this dtype (bfloat16
+        needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT); else F.linear, so every dtype runs on
+        any x86-64 CPU."""
+        import torch
+
         from kernels.onednn_linear import onednn_linear_available
 
+        if self.quantization == "int8" or self.linear_backend == "panel":
+            self._check_panel_backend()
+            return "panel"
         available = onednn_linear_available(self.torch_device, self.torch_dtype)
         if self.linear_backend == "auto":
+            if self.torch_device.type == "cpu" and self.torch_dtype == torch.float32:
+                from kernels.cpu_ops import native_available  # builds the kernels on first use
+
+                if native_available():
+                    return "panel"
             return "onednn" if available else "torch"
         if self.linear_backend == "onednn" and not available:
             raise ConfigError(
@@ -313,6 +339,27 @@ class EngineConfig:
                 f"oneDNN; got {self.torch_device}, {self.torch_dtype}"
             )
         return self.linear_backend
+
+    @property
+    def linear_layout(self) -> Literal["torch", "onednn", "panel", "panel_int8"]:
+        """How the model's linear weights are stored after loading (see ``FusedLinear.pack``)."""
+        backend = self.resolved_linear_backend
+        return "panel_int8" if self.quantization == "int8" else backend
+
+    def _check_panel_backend(self) -> None:
+        import torch
+
+        what = "quantization=int8" if self.quantization == "int8" else "linear_backend=panel"
+        if self.linear_backend not in ("auto", "panel"):
+            raise ConfigError(f"{what} runs on the panel linear backend, not linear_backend={self.linear_backend}")
+        if self.torch_device.type != "cpu" or self.torch_dtype != torch.float32:
+            raise ConfigError(
+                f"{what} needs the CPU device and dtype float32, got {self.torch_device}, {self.torch_dtype}"
+            )
+        from kernels.cpu_ops import native_available
+
+        if not native_available():
+            raise ConfigError(f"{what}: the native CPU kernels could not be built (see the log)")
 
     # ---- CLI ---------------------------------------------------------------
 

@@ -177,8 +177,8 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
             model = load_shard(cfg, self.executor.comm, self.executor.device)
             return model, model.plan.config
         model, model_config = load_model(cfg.model, cfg.torch_dtype, cfg.torch_device, self._ops)
-        if cfg.resolved_linear_backend == "onednn":
-            model.pack_linears()
+        if cfg.linear_layout != "torch":
+            model.pack_linears(cfg.linear_layout)
         return model, model_config
 
     def _allocate_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

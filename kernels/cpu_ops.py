@@ -49,7 +49,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "paged_attention_cpu.cpp")
+_CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+_SOURCES = [os.path.join(_CSRC, "paged_attention_cpu.cpp"), os.path.join(_CSRC, "panel_linear_cpu.cpp")]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 # How long a process waits for another's build of the same extension before giving up
 # (and running the PyTorch reference). A cold build is ~30 s on 2 idle cores.
@@ -110,7 +111,7 @@ def _exclusive(path: str, wait_s: float) -> Iterator[bool]:
 @functools.cache
 def native_available() -> bool:
     """Build (first time) and load the native kernels; False, logged, when that fails."""
-    if hasattr(torch.ops, "tandem_cpu") and hasattr(torch.ops.tandem_cpu, "argmax_rows"):
+    if hasattr(torch.ops, "tandem_cpu") and hasattr(torch.ops.tandem_cpu, "panel_linear"):
         return True
     name = _extension_name()
     try:
@@ -125,7 +126,7 @@ def native_available() -> bool:
                 os.remove(os.path.join(build_dir, "lock"))
             load(
                 name=name,
-                sources=[_SOURCE],
+                sources=_SOURCES,
                 extra_cflags=_CFLAGS,
                 extra_ldflags=["-fopenmp"],
                 build_directory=build_dir,

@@ -1,5 +1,5 @@
-"""The linear backend follows what the CPU supports: oneDNN where it runs the dtype, else
-F.linear, so every dtype runs on any x86-64 CPU. A CPU without AVX-512 is simulated by
+"""The linear backend follows what the CPU supports: the native panel kernel for float32,
+oneDNN where it runs the dtype, else F.linear, so every dtype runs on any x86-64 CPU. A CPU without AVX-512 is simulated by
 making torch's bf16 capability probe say no and making packing fail the way torch does
 there, so a wrong choice shows up as an error, not as a silently different path."""
 
@@ -47,6 +47,14 @@ def cpu_without_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(decoder, "pack_weight", pack)
 
 
+def _auto_fp32() -> str:
+    from kernels.cpu_ops import native_available
+
+    if native_available():
+        return "panel"
+    return "onednn" if onednn_linear.onednn_linear_available(torch.device("cpu"), torch.float32) else "torch"
+
+
 def test_probe_asks_torch_the_question_its_reorder_asks() -> None:
     assert onednn_linear.cpu_supports(torch.float32)
     assert not onednn_linear.cpu_supports(torch.float16)
@@ -57,14 +65,15 @@ def test_probe_asks_torch_the_question_its_reorder_asks() -> None:
 def test_auto_picks_onednn_only_where_the_cpu_runs_it(dtype: str) -> None:
     config = EngineConfig(dtype=dtype, device="cpu")
     expected = onednn_linear.onednn_linear_available(torch.device("cpu"), getattr(torch, dtype))
-    assert config.resolved_linear_backend == ("onednn" if expected else "torch")
+    if dtype == "float32":
+        assert config.resolved_linear_backend == _auto_fp32()
+    else:
+        assert config.resolved_linear_backend == ("onednn" if expected else "torch")
 
 
 def test_without_bf16_isa_auto_falls_back_and_forcing_onednn_is_refused(cpu_without_bf16: None) -> None:
     assert EngineConfig(dtype="bfloat16", device="cpu").resolved_linear_backend == "torch"
-    assert EngineConfig(dtype="float32", device="cpu").resolved_linear_backend == (
-        "onednn" if onednn_linear.onednn_linear_available(torch.device("cpu"), torch.float32) else "torch"
-    )
+    assert EngineConfig(dtype="float32", device="cpu").resolved_linear_backend == _auto_fp32()
     with pytest.raises(ConfigError, match="AVX-512"):
         _ = EngineConfig(dtype="bfloat16", device="cpu", linear_backend="onednn").resolved_linear_backend
 

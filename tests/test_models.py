@@ -76,15 +76,17 @@ def _hf_logits(hf: torch.nn.Module, tokens: list[int]) -> torch.Tensor:  # [len,
         return hf(torch.tensor([tokens])).logits[0].float()
 
 
-@pytest.mark.parametrize(("backend", "pack"), [("torch", False), ("cpu", True)])
+@pytest.mark.parametrize(("backend", "pack"), [("torch", None), ("cpu", "onednn"), ("cpu", "panel")])
 @pytest.mark.parametrize("fixture", ARCH_FIXTURES)
-def test_paged_forward_matches_hf(fixture: str, backend: str, pack: bool, request: pytest.FixtureRequest) -> None:
-    """Both CPU set-ups: PyTorch reference ops with F.linear, and the engine's default
-    (native decode attention, oneDNN-packed linear layers and LM head)."""
+def test_paged_forward_matches_hf(
+    fixture: str, backend: str, pack: str | None, request: pytest.FixtureRequest
+) -> None:
+    """The CPU set-ups: PyTorch reference ops with F.linear, and native decode attention
+    with oneDNN-packed or panel-packed (the float32 default) linear layers and LM head."""
     model_dir: str = request.getfixturevalue(fixture)
     model, config = load_model(model_dir, torch.float32, torch.device("cpu"), get_ops(backend))
     if pack:
-        model.pack_linears()
+        model.pack_linears(pack)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     vocab = config.vocab_size

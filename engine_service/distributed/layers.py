@@ -19,7 +19,6 @@ from engine_service.distributed.sharding import ShardPlan
 from engine_service.models.decoder import DecoderForCausalLM, FusedLinear
 from engine_service.models.loader import WeightLoader, checkpoint_files
 from kernels.dispatch import KernelOps
-from kernels.onednn_linear import packed_linear
 from tandem.protocol.model_config import ModelConfig
 
 
@@ -34,10 +33,7 @@ class RowParallelLinear(FusedLinear):
         self.comm = comm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, in / N] -> [n, out]
-        if self.packed_weight is not None:
-            y = packed_linear(x, self.packed_weight, None)
-        else:
-            y = F.linear(x, self.weight)
+        y = self.matmul(x, None)
         self.comm.all_reduce(y)
         if self.bias is not None:
             y.add_(self.bias)  # once, not once per rank

@@ -53,13 +53,13 @@ class WorkerSpec:
 
 
 def load_shard(config: EngineConfig, comm: Communicator, device: torch.device) -> ShardedDecoderForCausalLM:
-    """This rank's shard, packed for oneDNN where the engine's linear backend says so
-    (rank 0 and the workers load the same way)."""
+    """This rank's shard, packed as the engine's linear layout says (rank 0 and the
+    workers load the same way)."""
     model, _ = load_sharded_model(
         config.model, config.torch_dtype, device, get_ops(config.resolved_attention_backend), comm
     )
-    if config.resolved_linear_backend == "onednn":
-        model.pack_linears()
+    if config.linear_layout != "torch":
+        model.pack_linears(config.linear_layout)
     return model
 
 

@@ -18,9 +18,30 @@ from engine_service.attention import AttentionMetadata
 from engine_service.models.rotary import build_cos_sin_cache
 from kernels.dispatch import KernelOps
 from kernels.onednn_linear import pack_weight, packed_linear
+from kernels.panel_linear import PanelWeight, pack_panels, panel_linear
 from tandem.protocol.model_config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
+# A packed linear weight: an opaque oneDNN tensor, or float32 / int8 panels.
+PackedWeight = torch.Tensor | PanelWeight
+LINEAR_LAYOUTS = ("onednn", "panel", "panel_int8")
+
+
+def pack_linear_weight(weight: torch.Tensor, layout: str) -> PackedWeight:
+    """``[out, in]`` dense weight -> its packed form: "onednn" (oneDNN's blocked layout),
+    "panel" (float32 16-column panels) or "panel_int8" (int8 panels, per-channel scales)."""
+    if layout == "onednn":
+        return pack_weight(weight)
+    if layout in ("panel", "panel_int8"):
+        return pack_panels(weight, quantize=layout == "panel_int8")
+    raise ValueError(f"unknown linear layout {layout!r}; expected one of {LINEAR_LAYOUTS}")
+
+
+def packed_matmul(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` for a weight from ``pack_linear_weight``."""
+    if isinstance(packed, PanelWeight):
+        return panel_linear(x, packed, bias)
+    return packed_linear(x, packed, bias)
 
 
 def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
@@ -50,19 +71,23 @@ class FusedLinear(nn.Module):
         # [out_features, in_features]; None once pack() moved it into packed_weight.
         self.weight: nn.Parameter | None = _empty_param(out_features, in_features, dtype=dtype, device=device)
         self.bias = _empty_param(out_features, dtype=dtype, device=device) if bias else None
-        self.packed_weight: torch.Tensor | None = None  # opaque oneDNN layout, see pack()
+        self.packed_weight: PackedWeight | None = None  # see pack()
 
-    def pack(self) -> None:
-        """Reorder the weight for oneDNN (CPU) and drop the dense copy."""
+    def pack(self, layout: str = "onednn") -> None:
+        """Pack the weight (``pack_linear_weight``'s layouts) and drop the dense copy."""
         if self.weight is None:
             return
-        self.packed_weight = pack_weight(self.weight)
+        self.packed_weight = pack_linear_weight(self.weight, layout)
         self.weight = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x @ W.T + bias`` on whichever form the weight is in."""
         if self.packed_weight is not None:
-            return packed_linear(x, self.packed_weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+            return packed_matmul(x, self.packed_weight, bias)
+        return F.linear(x, self.weight, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias)
 
 
 class Attention(nn.Module):
@@ -205,19 +230,20 @@ class DecoderForCausalLM(nn.Module):
             device=device,
         )
         self.register_buffer("cos_sin_cache", cos_sin, persistent=False)  # [max_pos, head_dim] f32
-        self.lm_head_packed: torch.Tensor | None = None  # see pack_linears()
+        self.lm_head_packed: PackedWeight | None = None  # see pack_linears()
 
-    def pack_linears(self) -> None:
-        """Move every linear layer and the LM head onto oneDNN-packed weights (CPU).
+    def pack_linears(self, layout: str = "onednn") -> None:
+        """Move every linear layer and the LM head onto packed weights (CPU; the layouts
+        of ``pack_linear_weight``).
 
         The dense projection weights are freed. The LM head packs a copy: a tied
         checkpoint's embedding lookup still needs the dense matrix, so tied models hold
-        ``vocab_size x hidden_size`` once more.
+        ``vocab_size x hidden_size`` once more (a quarter of it for int8).
         """
         for module in self.modules():
             if isinstance(module, FusedLinear):
-                module.pack()
-        self.lm_head_packed = pack_weight(self.lm_head_weight)
+                module.pack(layout)
+        self.lm_head_packed = pack_linear_weight(self.lm_head_weight, layout)
         self.lm_head = None  # untied: the packed copy replaces it; tied: None already
 
     @property
@@ -261,5 +287,5 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden_size]`` -> ``[n, vocab_size]`` float32 logits."""
         if self.lm_head_packed is not None:
-            return packed_linear(hidden, self.lm_head_packed, None).float()
+            return packed_matmul(hidden, self.lm_head_packed, None).float()
         return F.linear(hidden, self.lm_head_weight).float()

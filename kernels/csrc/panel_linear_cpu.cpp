@@ -1,0 +1,205 @@
+// Linear layers over weights packed in 16-column panels: y = x @ W.T * scale + bias.
+//
+// Layouts (kernels/panel_linear.py packs them):
+//   x       [M, K] float32, rows contiguous (row stride may exceed K)
+//   panels  [P, K, 16] int8 or float32: panel p holds output columns 16p..16p+15,
+//           element [p, k, j] = W[16p + j, k]; columns past N are zero
+//   scale   [16P] float32 (int8 weights: per-output-channel scale) or an empty tensor
+//   bias    [N] float32 or an empty tensor
+//   out     [M, N] float32, rows contiguous
+//
+// One pass over the weights serves every row of x: a tile of 2 panels (32 columns) is
+// read once per block of up to 8 rows, the block's partial sums staying in 16 vector
+// registers while k runs. int8 weights are widened to float32 in registers (weight-only
+// quantization: x stays float32), so a batch-1 step reads a quarter of the bytes.
+// Threads split the tiles; a step too small to pay a thread wake-up stays on one thread.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kLanes = 16;     // columns per panel
+constexpr int64_t kMaxRows = 8;    // rows of x per register block
+constexpr int64_t kTilePanels = 2; // panels per tile
+
+#if defined(__AVX512F__)
+
+template <typename W>
+inline __m512 load_panel_row(const W* p);
+
+template <>
+inline __m512 load_panel_row<float>(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+
+template <>
+inline __m512 load_panel_row<int8_t>(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// acc[r][t] += x[r, k] * panel_t[k, :] over all k, for R rows and T panels. With few
+// rows, U interleaved accumulator sets (k mod U) hide the fused multiply-add latency.
+template <typename W, int R, int T>
+inline void block_kernel(const float* x, int64_t ldx, const W* panel, int64_t k_size, const float* scale,
+                         const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n) {
+  constexpr int U = R * T >= 8 ? 1 : (R * T >= 4 ? 2 : 4);
+  __m512 acc[U][R][T];
+  for (int u = 0; u < U; ++u)
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < T; ++t) acc[u][r][t] = _mm512_setzero_ps();
+  const int64_t panel_stride = k_size * kLanes;
+  int64_t k = 0;
+  for (; k + U <= k_size; k += U) {
+    for (int u = 0; u < U; ++u) {
+      __m512 w[T];
+      for (int t = 0; t < T; ++t) w[t] = load_panel_row<W>(panel + t * panel_stride + (k + u) * kLanes);
+      for (int r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_set1_ps(x[r * ldx + k + u]);
+        for (int t = 0; t < T; ++t) acc[u][r][t] = _mm512_fmadd_ps(xv, w[t], acc[u][r][t]);
+      }
+    }
+  }
+  for (; k < k_size; ++k) {
+    for (int t = 0; t < T; ++t) {
+      const __m512 w = load_panel_row<W>(panel + t * panel_stride + k * kLanes);
+      for (int r = 0; r < R; ++r) acc[0][r][t] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w, acc[0][r][t]);
+    }
+  }
+  for (int u = 1; u < U; ++u)
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < T; ++t) acc[0][r][t] = _mm512_add_ps(acc[0][r][t], acc[u][r][t]);
+  for (int t = 0; t < T; ++t) {
+    const int64_t col = n0 + t * kLanes;
+    if (col >= n) break;
+    const int64_t valid = std::min<int64_t>(kLanes, n - col);
+    const __mmask16 mask = valid == kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 s = scale ? _mm512_loadu_ps(scale + col) : _mm512_set1_ps(1.f);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r)
+      _mm512_mask_storeu_ps(out + r * ldo + col, mask, _mm512_fmadd_ps(acc[0][r][t], s, b));
+  }
+}
+
+#else  // portable: the compiler vectorizes the 16-lane loops for the ISA it builds for
+
+template <typename W, int R, int T>
+inline void block_kernel(const float* x, int64_t ldx, const W* panel, int64_t k_size, const float* scale,
+                         const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n) {
+  float acc[R][T][kLanes] = {};
+  const int64_t panel_stride = k_size * kLanes;
+  for (int64_t k = 0; k < k_size; ++k) {
+    for (int r = 0; r < R; ++r) {
+      const float xv = x[r * ldx + k];
+      for (int t = 0; t < T; ++t) {
+        const W* w = panel + t * panel_stride + k * kLanes;
+#pragma omp simd
+        for (int64_t j = 0; j < kLanes; ++j) acc[r][t][j] += xv * static_cast<float>(w[j]);
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t) {
+    for (int64_t j = 0; j < kLanes; ++j) {
+      const int64_t col = n0 + t * kLanes + j;
+      if (col >= n) break;
+      const float s = scale ? scale[col] : 1.f;
+      const float b = bias ? bias[col] : 0.f;
+      for (int r = 0; r < R; ++r) out[r * ldo + col] = acc[r][t][j] * s + b;
+    }
+  }
+}
+
+#endif
+
+template <typename W, int T>
+void rows_kernel(int64_t rows, const float* x, int64_t ldx, const W* panel, int64_t k_size, const float* scale,
+                 const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n) {
+  int64_t r = 0;
+  for (; r + kMaxRows <= rows; r += kMaxRows)
+    block_kernel<W, kMaxRows, T>(x + r * ldx, ldx, panel, k_size, scale, bias, out + r * ldo, ldo, n0, n);
+  const float* xr = x + r * ldx;
+  float* outr = out + r * ldo;
+  switch (rows - r) {
+    case 0: break;
+    case 1: block_kernel<W, 1, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n); break;
+    case 2: block_kernel<W, 2, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n); break;
+    case 3: block_kernel<W, 3, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n); break;
+    case 4: block_kernel<W, 4, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n); break;
+    case 5: block_kernel<W, 5, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n); break;
+    case 6: block_kernel<W, 6, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n); break;
+    default: block_kernel<W, 7, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n); break;
+  }
+}
+
+template <typename W>
+void panel_linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels, const float* scale,
+                       const float* bias) {
+  const int64_t m = x.size(0), k_size = x.size(1), n = out.size(1);
+  const int64_t num_panels = panels.size(0);
+  const int64_t num_tiles = (num_panels + kTilePanels - 1) / kTilePanels;
+  const float* xp = x.data_ptr<float>();
+  const W* wp = panels.data_ptr<W>();
+  float* op = out.data_ptr<float>();
+  const int64_t ldx = x.stride(0), ldo = out.stride(0);
+  // Rows of x per chunk: the block of x one tile pass reuses stays in L2 (<= 256 KiB).
+  const int64_t row_chunk = std::max<int64_t>(kMaxRows, (256 * 1024 / 4 / std::max<int64_t>(k_size, 1)) / kMaxRows * kMaxRows);
+  // A chunk of work should hold >= ~64k multiply-adds to pay a thread hand-off.
+  const int64_t tile_work = std::max<int64_t>(1, std::min(m, row_chunk) * k_size * kTilePanels * kLanes);
+  const int64_t grain = std::max<int64_t>(1, 65536 / tile_work);
+  for (int64_t r0 = 0; r0 < m; r0 += row_chunk) {
+    const int64_t rows = std::min(row_chunk, m - r0);
+    at::parallel_for(0, num_tiles, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t tile = begin; tile < end; ++tile) {
+        const int64_t p0 = tile * kTilePanels;
+        const W* panel = wp + p0 * k_size * kLanes;
+        const int64_t n0 = p0 * kLanes;
+        if (p0 + kTilePanels <= num_panels)
+          rows_kernel<W, kTilePanels>(rows, xp + r0 * ldx, ldx, panel, k_size, scale, bias, op + r0 * ldo, ldo,
+                                      n0, n);
+        else
+          rows_kernel<W, 1>(rows, xp + r0 * ldx, ldx, panel, k_size, scale, bias, op + r0 * ldo, ldo, n0, n);
+      }
+    });
+  }
+}
+
+void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scale,
+                  const at::Tensor& bias) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "x must be [M, K] float32");
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kLanes && panels.is_contiguous(),
+              "panels must be contiguous [P, K, 16]");
+  TORCH_CHECK(panels.size(1) == x.size(1), "x has ", x.size(1), " columns, the panels ", panels.size(1), " rows");
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.stride(1) == 1 && out.size(0) == x.size(0),
+              "out must be [M, N] float32");
+  TORCH_CHECK(out.size(1) <= panels.size(0) * kLanes, "out has more columns than the panels");
+  const bool has_scale = scale.numel() > 0, has_bias = bias.numel() > 0;
+  if (has_scale)
+    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == panels.size(0) * kLanes,
+                "scale must be [16P] float32");
+  if (has_bias)
+    TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == out.size(1),
+                "bias must be [N] float32");
+  const float* s = has_scale ? scale.data_ptr<float>() : nullptr;
+  const float* b = has_bias ? bias.data_ptr<float>() : nullptr;
+  if (x.size(0) == 0) return;
+  if (panels.scalar_type() == at::kChar)
+    panel_linear_impl<int8_t>(out, x, panels, s, b);
+  else if (panels.scalar_type() == at::kFloat)
+    panel_linear_impl<float>(out, x, panels, s, b);
+  else
+    TORCH_CHECK(false, "panels must be int8 or float32, got ", panels.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
+  m.def("panel_linear(Tensor(a!) out, Tensor x, Tensor panels, Tensor scale, Tensor bias) -> ()");
+  m.impl("panel_linear", c10::DispatchKey::CPU, &panel_linear);
+}

@@ -1,0 +1,166 @@
+"""The panel linear kernel (float32 and int8 weights) against F.linear, and int8
+weight-only quantization in the engine: the quantized model computes what a float32
+model holding the dequantized weights computes, close to the float32 original."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine_service.config import ConfigError, EngineConfig
+from engine_service.core import EngineCore
+from engine_service.models import decoder
+from kernels.cpu_ops import native_available
+from kernels.panel_linear import (
+    LANES,
+    pack_panels,
+    panel_linear,
+    panel_linear_reference,
+    quantize_int8,
+    unpack_panels,
+)
+from tandem.protocol.outputs import EngineCoreRequest
+from tandem.protocol.sampling_params import SamplingParams
+from tests.test_models import PagedBatchBuilder  # the paged-forward harness of the model tests
+
+pytestmark = pytest.mark.skipif(not native_available(), reason="native CPU kernels need a C++ compiler")
+
+
+def _random_case(gen: torch.Generator) -> tuple[int, int, int]:
+    m = int(torch.randint(1, 40, (), generator=gen))
+    n = int(torch.randint(1, 200, (), generator=gen))
+    k = int(torch.randint(1, 300, (), generator=gen))
+    return m, n, k
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_panel_linear_matches_f_linear_on_random_shapes(quantize: bool) -> None:
+    """Shapes with every tail (rows not a multiple of the 8-row block, columns not a
+    multiple of 16 or 32, odd K), with and without bias, strided rows of x."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    for _ in range(25):
+        m, n, k = _random_case(gen)
+        w = torch.randn(n, k, generator=gen)
+        x_full = torch.randn(m, k + 3, generator=gen)
+        x = x_full[:, :k]  # row stride k + 3
+        bias = torch.randn(n, generator=gen) if bool(torch.randint(0, 2, (), generator=gen)) else None
+        packed = pack_panels(w, quantize)
+        got = panel_linear(x, packed, bias)
+        expected = panel_linear_reference(x, packed, bias)
+        torch.testing.assert_close(got, expected, atol=1e-4 * k**0.5, rtol=1e-4, msg=f"m={m} n={n} k={k}")
+        if not quantize:
+            torch.testing.assert_close(got, F.linear(x, w, bias), atol=1e-4 * k**0.5, rtol=1e-4)
+
+
+def test_panels_hold_the_weight_and_zero_padding() -> None:
+    w = torch.randn(37, 70)
+    packed = pack_panels(w, quantize=False)
+    assert packed.panels.shape == (3, 70, LANES) and packed.scale.numel() == 0
+    torch.testing.assert_close(unpack_panels(packed), w, atol=0, rtol=0)
+    assert packed.panels[2, :, 37 - 32 :].abs().sum() == 0  # columns 37..47 are padding
+
+
+def test_int8_quantization_error_is_within_half_a_step_per_channel() -> None:
+    w = torch.randn(64, 96) * torch.rand(64, 1) * 4  # rows of very different ranges
+    w[5] = 0.0  # an all-zero row gets scale 1, values 0
+    q, scale = quantize_int8(w)
+    assert q.dtype == torch.int8 and int(q.abs().max()) <= 127
+    err = (q.float() * scale[:, None] - w).abs()
+    assert bool((err <= scale[:, None] / 2 + 1e-7).all())
+    assert float(scale[5]) == 1.0 and int(q[5].abs().sum()) == 0
+    packed = pack_panels(w, quantize=True)
+    assert packed.panels.dtype == torch.int8
+    torch.testing.assert_close(unpack_panels(packed), q.float() * scale[:, None], atol=0, rtol=0)
+
+
+def test_bad_inputs_raise() -> None:
+    packed = pack_panels(torch.randn(16, 8), quantize=True)
+    with pytest.raises(RuntimeError, match="columns"):
+        panel_linear(torch.randn(2, 9), packed, None)
+    with pytest.raises(ValueError, match="2-D"):
+        pack_panels(torch.randn(2, 3, 4), quantize=False)
+
+
+def _greedy(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> dict[str, list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    for i, prompt in enumerate(prompts):
+        core.add_request(EngineCoreRequest(str(i), prompt, params))
+    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while core.has_unfinished_requests():
+        for out in core.step().outputs:
+            tokens[out.request_id].extend(out.new_token_ids)
+    return tokens
+
+
+def _logits(core: EngineCore, prompt: list[int]) -> torch.Tensor:  # [len, vocab]
+    builder = PagedBatchBuilder(core.model_config, torch.Generator().manual_seed(0))
+    ids, positions, meta = builder.step([(0, 0, prompt)])
+    with torch.inference_mode():
+        return core.model.compute_logits(core.model(ids, positions, builder.kv_caches, meta))
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen3_dir"])
+def test_int8_engine_equals_float32_on_the_dequantized_weights(fixture: str, request: pytest.FixtureRequest) -> None:
+    """The int8 engine's greedy tokens equal those of a float32 engine whose weights are
+    the dequantized int8 weights (same kernel family, so any packing, scale or tail bug
+    shows as a different token), and every projection reads a quarter of the bytes."""
+    model_dir: str = request.getfixturevalue(fixture)
+    common = dict(model=model_dir, device="cpu", max_model_len=128, num_gpu_blocks_override=64)
+    int8 = EngineCore(EngineConfig(quantization="int8", **common))
+    linears = [m for m in int8.model.modules() if isinstance(m, decoder.FusedLinear)]
+    assert linears and all(m.packed_weight.panels.dtype == torch.int8 for m in linears)
+    assert int8.model.lm_head_packed.panels.dtype == torch.int8
+
+    ref = EngineCore(EngineConfig(linear_backend="panel", **common))
+    ref_linears = [m for m in ref.model.modules() if isinstance(m, decoder.FusedLinear)]
+    for q, f in zip(linears, ref_linears, strict=True):
+        f.packed_weight = pack_panels(unpack_panels(q.packed_weight), quantize=False)
+    ref.model.lm_head_packed = pack_panels(unpack_panels(int8.model.lm_head_packed), quantize=False)
+
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    vocab = int8.model_config.vocab_size
+    prompts = [torch.randint(3, vocab, (int(n),), generator=gen).tolist() for n in (1, 7, 19, 33)]
+    assert _greedy(int8, prompts, 12) == _greedy(ref, prompts, 12)
+
+
+def test_int8_logits_stay_close_to_float32(tiny_llama_dir: str) -> None:
+    """Quantization error, end to end: int8 logits within a few percent of the float32
+    logits' spread on a random model (whose logits are all alike, the hard case)."""
+    common = dict(model=tiny_llama_dir, device="cpu", max_model_len=128, num_gpu_blocks_override=64)
+    int8 = EngineCore(EngineConfig(quantization="int8", **common))
+    fp32 = EngineCore(EngineConfig(**common))
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    prompt = torch.randint(3, fp32.model_config.vocab_size, (24,), generator=gen).tolist()
+    a, b = _logits(int8, prompt), _logits(fp32, prompt)
+    spread = float(b.std())
+    assert spread > 0
+    print(f"int8 logit error: max {float((a - b).abs().max()) / spread:.4f}, "
+          f"mean {float((a - b).abs().mean()) / spread:.4f} of the logits' std")
+    assert float((a - b).abs().max()) < 0.25 * spread
+    assert float((a - b).abs().mean()) < 0.05 * spread
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (dict(dtype="bfloat16"), "float32"),
+        (dict(linear_backend="onednn"), "panel linear backend"),
+        (dict(linear_backend="torch"), "panel linear backend"),
+    ],
+)
+def test_int8_refuses_what_it_cannot_run(overrides: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        _ = EngineConfig(device="cpu", quantization="int8", **overrides).linear_layout
+
+
+def test_quantization_flag_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    monkeypatch.setenv("TANDEM_QUANTIZATION", "int8")
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    assert parser.parse_args([]).quantization == "int8"
+    assert parser.parse_args(["--quantization", "none"]).quantization == "none"
+    with pytest.raises(ConfigError, match="quantization"):
+        EngineConfig(quantization="int4")
