@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the engine's)")
+    p.add_argument("--quantization", default="none", help="the engine's --quantization (default none)")
+    p.add_argument("--linear-backend", default="auto", help="the engine's --linear-backend (default auto)")
     args = p.parse_args(argv)
     model = args.model
     if not model:
@@ -150,9 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     core = EngineCore(EngineConfig(
         model=model, max_model_len=max(1024, args.prompt_len + 2 * args.steps + 32), max_num_seqs=max(sizes),
         num_threads=args.threads, max_num_batched_tokens=max(2048, args.prompt_len * 4),
+        quantization=args.quantization, linear_backend=args.linear_backend,
     ))
     limits = measure_machine()
-    roof = Roofline.for_model(model, limits)
+    roof = Roofline.for_model(model, limits, bytes_per_param=1 if args.quantization == "int8" else 4)
     rows = {b: measure(core, b, args.prompt_len, args.steps) for b in sizes}
     context = args.prompt_len + args.steps // 2 + 3
     print(f"model {model}; threads {torch.get_num_threads()}; machine: copy {limits.copy_gbps:.1f} GB/s, "

@@ -98,6 +98,14 @@ class EngineConfig:
             "for bfloat16 where the CPU has the ISA for it, else torch."
         },
     )
+    native_decode: bool = field(
+        default=True,
+        metadata={
+            "help": "CPU, panel linear backend: run a decode-only step's layers in one native "
+            "call instead of ~40 framework calls per layer (same kernels, same order). "
+            "Default on."
+        },
+    )
     quantization: Literal["none", "int8"] = field(
         default="none",
         metadata={

@@ -179,6 +179,9 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
         model, model_config = load_model(cfg.model, cfg.torch_dtype, cfg.torch_device, self._ops)
         if cfg.linear_layout != "torch":
             model.pack_linears(cfg.linear_layout)
+        model.native_decode = (
+            cfg.native_decode and self._ops.name == "cpu" and cfg.linear_layout in ("panel", "panel_int8")
+        )
         return model, model_config
 
     def _allocate_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

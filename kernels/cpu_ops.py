@@ -50,7 +50,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-_SOURCES = [os.path.join(_CSRC, "paged_attention_cpu.cpp"), os.path.join(_CSRC, "panel_linear_cpu.cpp")]
+_SOURCES = [
+    os.path.join(_CSRC, name) for name in ("paged_attention_cpu.cpp", "panel_linear_cpu.cpp", "decode_layers_cpu.cpp")
+]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 # How long a process waits for another's build of the same extension before giving up
 # (and running the PyTorch reference). A cold build is ~30 s on 2 idle cores.
@@ -68,9 +70,14 @@ def _cpu_fingerprint() -> str:
 
 
 def _extension_name() -> str:
-    """One build per CPU model/flags and torch version."""
+    """One build per CPU model/flags, torch version and source text (trees with different
+    kernels, e.g. git worktrees, do not rebuild each other's extension)."""
     torch_tag = hashlib.sha256(torch.__version__.encode()).hexdigest()[:6]
-    return f"tandem_cpu_kernels_{_cpu_fingerprint()}_{torch_tag}"
+    sources = hashlib.sha256()
+    for path in sorted([*_SOURCES, os.path.join(_CSRC, "cpu_kernels.h")]):
+        with open(path, "rb") as f:
+            sources.update(f.read())
+    return f"tandem_cpu_kernels_{_cpu_fingerprint()}_{torch_tag}_{sources.hexdigest()[:8]}"
 
 
 def _build_directory(name: str) -> str:
@@ -111,7 +118,7 @@ def _exclusive(path: str, wait_s: float) -> Iterator[bool]:
 @functools.cache
 def native_available() -> bool:
     """Build (first time) and load the native kernels; False, logged, when that fails."""
-    if hasattr(torch.ops, "tandem_cpu") and hasattr(torch.ops.tandem_cpu, "panel_linear"):
+    if hasattr(torch.ops, "tandem_cpu") and hasattr(torch.ops.tandem_cpu, "decode_layers"):
         return True
     name = _extension_name()
     try:

@@ -4,14 +4,17 @@
 weight once per block of up to 8 rows of ``x``. It serves two cases:
 
 - **int8 weight-only quantization** (``--quantization int8``): ``W`` is stored as int8
-  with one float32 scale per output channel (symmetric, ``scale = max|W[n, :]| / 127``)
-  and widened to float32 in registers; activations stay float32. A decode step reads a
-  quarter of the fp32 bytes.
+  with one float32 scale per output channel (symmetric, ``scale = max|W[n, :]| / 127``);
+  activations are not quantized to 8 bits: the kernel rounds each row of ``x`` to 16-bit
+  fixed point per block of 256 columns (a step of 2^-15 of the block's largest value,
+  far below the int8 weights' own error) so that AVX-512 VNNI's 16-bit pair dot product
+  does the multiply-adds. A decode step reads a quarter of the fp32 bytes.
 - float32 panels, the same loop without the widening (the reference the int8 path is
   tested against, and a candidate for small batches).
 
 ``PanelWeight`` holds the packed tensor; ``panel_linear`` runs it. The reference
-``panel_linear_reference`` unpacks and runs ``F.linear``: the kernel tests compare to it.
+``panel_linear_reference`` unpacks and runs ``F.linear`` (on float32 ``x``, so for int8
+it also measures the 16-bit rounding of ``x``): the kernel tests compare to it.
 """
 
 from __future__ import annotations
@@ -32,13 +35,16 @@ class PanelWeight:
     ``panels * scale``), an empty tensor for float32 panels.
     """
 
-    panels: torch.Tensor  # [P, K, 16] int8 or float32, contiguous
+    # float32 [P, K, 16]: [p, k, j] = W[16p + j, k]; int8 [P, ceil(K / 2), 32]: k in pairs,
+    # [p, i, 2j + h] = W[16p + j, 2i + h] (the kernel's 16-bit pair dot product). Contiguous.
+    panels: torch.Tensor
     scale: torch.Tensor  # [16P] float32, or empty
     out_features: int  # N
+    in_k: int  # K
 
     @property
     def in_features(self) -> int:
-        return self.panels.shape[1]
+        return self.in_k
 
     @property
     def nbytes(self) -> int:
@@ -66,18 +72,26 @@ def pack_panels(weight: torch.Tensor, quantize: bool) -> PanelWeight:
         scale = F.pad(scale, (0, num_panels * LANES - n), value=1.0).contiguous()
     else:
         values, scale = weight.detach().float(), torch.empty(0)
-    padded = F.pad(values, (0, 0, 0, num_panels * LANES - n))  # [16P, K]
-    panels = padded.view(num_panels, LANES, k).transpose(1, 2).contiguous()  # [P, K, 16]
-    return PanelWeight(panels=panels, scale=scale, out_features=n)
+    if quantize:
+        k2 = -(-k // 2)
+        padded = F.pad(values, (0, 2 * k2 - k, 0, num_panels * LANES - n))  # [16P, 2 K2]
+        panels = padded.view(num_panels, LANES, k2, 2).permute(0, 2, 1, 3).reshape(num_panels, k2, 2 * LANES)
+    else:
+        padded = F.pad(values, (0, 0, 0, num_panels * LANES - n))  # [16P, K]
+        panels = padded.view(num_panels, LANES, k).transpose(1, 2)  # [P, K, 16]
+    return PanelWeight(panels=panels.contiguous(), scale=scale, out_features=n, in_k=k)
 
 
 def unpack_panels(weight: PanelWeight) -> torch.Tensor:
     """The ``[N, K]`` float32 weight the panels stand for (dequantized for int8)."""
-    p, k, _ = weight.panels.shape
-    dense = weight.panels.transpose(1, 2).reshape(p * LANES, k).float()
-    if weight.scale.numel():
+    panels = weight.panels
+    p = panels.shape[0]
+    if panels.dtype == torch.int8:  # [P, K2, 32] -> [P, 16, K2, 2] -> [16P, 2 K2]
+        dense = panels.view(p, -1, LANES, 2).permute(0, 2, 1, 3).reshape(p * LANES, -1).float()
         dense = dense * weight.scale[:, None]
-    return dense[: weight.out_features]
+    else:
+        dense = panels.transpose(1, 2).reshape(p * LANES, -1)
+    return dense[: weight.out_features, : weight.in_k]
 
 
 def panel_linear(
@@ -96,6 +110,22 @@ def panel_linear(
     return out
 
 
+X_BLOCK = 256  # columns of x per 16-bit fixed-point block (int8 weights)
+
+
+def round_x_16bit(x: torch.Tensor) -> torch.Tensor:
+    """``[M, K]`` float32 -> the values the int8 kernel multiplies: each row rounded to a
+    step of 1/32767 of its largest |value| in every block of ``X_BLOCK`` columns."""
+    m, k = x.shape
+    blocks = -(-k // X_BLOCK)
+    padded = F.pad(x.float(), (0, blocks * X_BLOCK - k)).view(m, blocks, X_BLOCK)
+    step = padded.abs().amax(dim=2, keepdim=True) / 32767.0
+    step = torch.where(step > 0, step, torch.ones_like(step))
+    return (torch.round(padded / step) * step).view(m, -1)[:, :k]
+
+
 def panel_linear_reference(x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """The same product through ``F.linear`` on the unpacked weight."""
-    return F.linear(x.float(), unpack_panels(weight), None if bias is None else bias.float())
+    """The same product through ``F.linear`` on the unpacked weight (and, for int8
+    panels, on ``x`` rounded as the kernel rounds it)."""
+    x = round_x_16bit(x) if weight.panels.dtype == torch.int8 else x.float()
+    return F.linear(x, unpack_panels(weight), None if bias is None else bias.float())

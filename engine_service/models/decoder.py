@@ -231,6 +231,10 @@ class DecoderForCausalLM(nn.Module):
         )
         self.register_buffer("cos_sin_cache", cos_sin, persistent=False)  # [max_pos, head_dim] f32
         self.lm_head_packed: PackedWeight | None = None  # see pack_linears()
+        # Decode-only steps run every layer in one native call when all linear layers are
+        # plain float32 or int8 panels (see native_decode_weights); None: not built yet.
+        self.native_decode = False
+        self._native_weights: tuple[tuple[int, ...], list[torch.Tensor]] | None = None
 
     def pack_linears(self, layout: str = "onednn") -> None:
         """Move every linear layer and the LM head onto packed weights (CPU; the layouts
@@ -270,6 +274,10 @@ class DecoderForCausalLM(nn.Module):
             raise ValueError(f"expected {len(self.layers)} KV caches (one per layer), got {len(kv_caches)}")
         num_tokens = input_ids.shape[0]
         hidden = self.embed(input_ids)  # [num_tokens, hidden_size]
+        if self.native_decode and attn_metadata.max_query_len == 1 and num_tokens == attn_metadata.num_seqs:
+            weights = self.native_decode_weights()
+            if weights is not None:
+                return self._decode_natively(hidden, positions, kv_caches, attn_metadata, weights)
         # One attention output buffer reused by every layer (o_proj consumes it at once).
         attn_out = hidden.new_empty(num_tokens, self.config.num_heads, self.config.head_dim)
         residual: torch.Tensor | None = None
@@ -279,6 +287,64 @@ class DecoderForCausalLM(nn.Module):
             )
         hidden, _ = self.ops.rms_norm(hidden, self.norm.weight, self.config.rms_norm_eps, residual)
         return hidden
+
+    def native_decode_weights(self) -> list[torch.Tensor] | None:
+        """The flat weight list of ``tandem_cpu::decode_layers`` (16 per layer, in its
+        ``Slot`` order), or None when a layer is not plain panel-packed (not packed,
+        oneDNN, LoRA-wrapped, tensor-parallel). Rebuilt when a projection changes."""
+        linears = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for module in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                if type(module) is not FusedLinear or not isinstance(module.packed_weight, PanelWeight):
+                    return None
+                linears.append(module)
+        key = tuple(id(m.packed_weight) for m in linears)
+        if self._native_weights is None or self._native_weights[0] != key:
+            empty = torch.empty(0)
+            flat: list[torch.Tensor] = []
+            for i, layer in enumerate(self.layers):
+                attn = layer.self_attn
+                flat += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+                for module in linears[4 * i : 4 * i + 4]:
+                    packed = module.packed_weight
+                    flat += [packed.panels, packed.scale, empty if module.bias is None else module.bias]
+                flat += [
+                    empty if attn.q_norm is None else attn.q_norm.weight,
+                    empty if attn.k_norm is None else attn.k_norm.weight,
+                ]
+            self._native_weights = (key, [t.detach() for t in flat])
+        return self._native_weights[1]
+
+    def _decode_natively(
+        self,
+        hidden: torch.Tensor,  # [T, hidden_size]: one new token per sequence
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+        weights: list[torch.Tensor],
+    ) -> torch.Tensor:
+        cfg = self.config
+        index = torch.arange(hidden.shape[0])
+        return torch.ops.tandem_cpu.decode_layers(
+            hidden,
+            positions,
+            attn_metadata.slot_mapping,
+            attn_metadata.block_tables,
+            attn_metadata.seq_lens,
+            index,
+            index,
+            self.cos_sin_cache,
+            [k for k, _ in kv_caches],
+            [v for _, v in kv_caches],
+            weights,
+            self.norm.weight.detach(),
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.rms_norm_eps,
+            cfg.head_dim**-0.5,
+        )
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[num_tokens]`` ids -> ``[num_tokens, hidden_size]`` embeddings."""

@@ -26,6 +26,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_kernels.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -480,6 +482,33 @@ void seeded_uniform(at::Tensor out, const at::Tensor& offsets) {
 }
 
 }  // namespace
+
+namespace tandem_cpu {  // entry points for other translation units (cpu_kernels.h)
+
+void paged_attention_decode(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            const at::Tensor& token_index, const at::Tensor& seq_index, double scale,
+                            at::Tensor out) {
+  ::paged_attention_decode(query, key_cache, value_cache, block_tables, seq_lens, token_index, seq_index, scale,
+                           out);
+}
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  ::rms_norm(out, x, weight, eps);
+}
+void fused_add_rms_norm(at::Tensor out, at::Tensor residual_out, const at::Tensor& x, const at::Tensor& residual,
+                        const at::Tensor& weight, double eps) {
+  ::fused_add_rms_norm(out, residual_out, x, residual, weight, eps);
+}
+void rotary_embedding(const at::Tensor& positions, at::Tensor query, at::Tensor key,
+                      const at::Tensor& cos_sin_cache) {
+  ::rotary_embedding(positions, query, key, cos_sin_cache);
+}
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache,
+                       at::Tensor value_cache, const at::Tensor& slot_mapping) {
+  ::reshape_and_cache(key, value, key_cache, value_cache, slot_mapping);
+}
+
+}  // namespace tandem_cpu
 
 TORCH_LIBRARY(tandem_cpu, m) {
   m.def(

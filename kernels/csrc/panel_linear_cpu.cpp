@@ -2,22 +2,32 @@
 //
 // Layouts (kernels/panel_linear.py packs them):
 //   x       [M, K] float32, rows contiguous (row stride may exceed K)
-//   panels  [P, K, 16] int8 or float32: panel p holds output columns 16p..16p+15,
+//   panels  float32 [P, K, 16]: panel p holds output columns 16p..16p+15,
 //           element [p, k, j] = W[16p + j, k]; columns past N are zero
+//           int8 [P, K2, 32] (K2 = ceil(K / 2)): k in pairs, element [p, i, 2j + h] =
+//           W[16p + j, 2i + h] (k past K zero), the layout of a 16-bit pair dot product
 //   scale   [16P] float32 (int8 weights: per-output-channel scale) or an empty tensor
 //   bias    [N] float32 or an empty tensor
 //   out     [M, N] float32, rows contiguous
 //
 // One pass over the weights serves every row of x: a tile of 2 panels (32 columns) is
 // read once per block of up to 8 rows, the block's partial sums staying in 16 vector
-// registers while k runs. int8 weights are widened to float32 in registers (weight-only
-// quantization: x stays float32), so a batch-1 step reads a quarter of the bytes.
-// Threads split the tiles; a step too small to pay a thread wake-up stays on one thread.
+// registers while k runs. Threads split the tiles; a step too small to pay a thread
+// wake-up stays on one thread.
+//
+// int8 weights (weight-only quantization, a quarter of the bytes a step reads): x is
+// rounded to 16-bit fixed point per row and per block of 256 k (step 2^-15 of the
+// block's largest |x|), and each (16-bit x, 8-bit w) pair product is summed in int32
+// (AVX-512 VNNI vpdpwssd: 32 multiply-adds an instruction, no widening to float); a
+// block's int32 sums (< 2^31: 128 pairs x 2 x 127 x 32767) are scaled into float32.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "cpu_kernels.h"
+
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #if defined(__AVX512F__)
@@ -138,6 +148,200 @@ void rows_kernel(int64_t rows, const float* x, int64_t ldx, const W* panel, int6
   }
 }
 
+// ---- int8 weights --------------------------------------------------------------------
+
+constexpr int64_t kBlockPairs = 128;  // k pairs per fixed-point block of x (256 k)
+// How far ahead a small-batch pass asks for weights (it streams them from memory once).
+constexpr int64_t kPrefetchBytes = 2048;
+
+// x [M, K] float32 -> xq [M, K2] int32 (two int16: k = 2i low half, 2i + 1 high half)
+// and xs [M, NB] float32 (the step of each row's block b of kBlockPairs pairs).
+void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k_size, int32_t* xq, float* xs) {
+  const int64_t k2 = (k_size + 1) / 2, nb = (k2 + kBlockPairs - 1) / kBlockPairs;
+  at::parallel_for(0, m, std::max<int64_t>(1, 16384 / std::max<int64_t>(k_size, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = x + r * ldx;
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t k0 = b * kBlockPairs * 2, k1 = std::min(k_size, k0 + kBlockPairs * 2);
+        float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+        for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(xr[k]));
+        const float step = amax > 0.f ? amax / 32767.f : 1.f;
+        const float inv = 1.f / step;
+        xs[r * nb + b] = step;
+        int32_t* q = xq + r * k2;
+        for (int64_t i = k0 / 2; i < (k1 + 1) / 2; ++i) {
+          const int64_t k = 2 * i;
+          const int32_t lo = static_cast<int32_t>(std::nearbyint(xr[k] * inv));
+          const int32_t hi = k + 1 < k1 ? static_cast<int32_t>(std::nearbyint(xr[k + 1] * inv)) : 0;
+          q[i] = static_cast<int32_t>((static_cast<uint32_t>(lo) & 0xFFFFu) | (static_cast<uint32_t>(hi) << 16));
+        }
+      }
+    }
+  });
+}
+
+#if defined(__AVX512BW__)
+
+inline __m512i pair_dot(__m512i acc, __m512i w, __m512i x) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, w, x);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
+#endif
+}
+
+// The block's float32 sums live in memory (updated once per 256 k), so that the R x T
+// int32 sums, the T weight rows and x fit the 32 vector registers; with few rows, U
+// interleaved int32 sets (pair index mod U) hide the dot product's latency.
+template <int R, int T>
+inline void int8_block_kernel(const int32_t* xq, int64_t k2, const float* xs, int64_t nb, const int8_t* panel,
+                              const float* scale, const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n) {
+  constexpr int U = R * T >= 8 ? 1 : (R * T >= 4 ? 2 : 4);
+  alignas(64) float accf[R][T][kLanes] = {};
+  const int64_t panel_stride = k2 * 2 * kLanes;
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i iacc[U][R][T];
+    for (int u = 0; u < U; ++u)
+      for (int r = 0; r < R; ++r)
+        for (int t = 0; t < T; ++t) iacc[u][r][t] = _mm512_setzero_si512();
+    const int64_t i1 = std::min(k2, (b + 1) * kBlockPairs);
+    int64_t i = b * kBlockPairs;
+    for (; i + U <= i1; i += U) {
+      for (int u = 0; u < U; ++u) {
+        __m512i w[T];
+        for (int t = 0; t < T; ++t) {
+          const int8_t* row = panel + t * panel_stride + (i + u) * 2 * kLanes;
+          if (R <= 2 && ((i + u) & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+          w[t] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m512i xv = _mm512_set1_epi32(xq[r * k2 + i + u]);
+          for (int t = 0; t < T; ++t) iacc[u][r][t] = pair_dot(iacc[u][r][t], w[t], xv);
+        }
+      }
+    }
+    for (; i < i1; ++i) {
+      for (int t = 0; t < T; ++t) {
+        const __m512i w = _mm512_cvtepi8_epi16(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + t * panel_stride + i * 2 * kLanes)));
+        for (int r = 0; r < R; ++r) iacc[0][r][t] = pair_dot(iacc[0][r][t], w, _mm512_set1_epi32(xq[r * k2 + i]));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 step = _mm512_set1_ps(xs[r * nb + b]);
+      for (int t = 0; t < T; ++t) {
+        __m512i sum = iacc[0][r][t];
+        for (int u = 1; u < U; ++u) sum = _mm512_add_epi32(sum, iacc[u][r][t]);
+        _mm512_store_ps(accf[r][t], _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), step, _mm512_load_ps(accf[r][t])));
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t) {
+    const int64_t col = n0 + t * kLanes;
+    if (col >= n) break;
+    const int64_t valid = std::min<int64_t>(kLanes, n - col);
+    const __mmask16 mask = valid == kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 s = _mm512_loadu_ps(scale + col);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r)
+      _mm512_mask_storeu_ps(out + r * ldo + col, mask, _mm512_fmadd_ps(_mm512_load_ps(accf[r][t]), s, bv));
+  }
+}
+
+#else  // portable: the same integer arithmetic in plain loops
+
+template <int R, int T>
+inline void int8_block_kernel(const int32_t* xq, int64_t k2, const float* xs, int64_t nb, const int8_t* panel,
+                              const float* scale, const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n) {
+  float acc[R][T][kLanes] = {};
+  const int64_t panel_stride = k2 * 2 * kLanes;
+  for (int64_t b = 0; b < nb; ++b) {
+    int32_t iacc[R][T][kLanes] = {};
+    const int64_t i1 = std::min(k2, (b + 1) * kBlockPairs);
+    for (int64_t i = b * kBlockPairs; i < i1; ++i) {
+      for (int r = 0; r < R; ++r) {
+        const int32_t packed = xq[r * k2 + i];
+        const int32_t lo = static_cast<int16_t>(packed & 0xFFFF), hi = static_cast<int16_t>(packed >> 16);
+        for (int t = 0; t < T; ++t) {
+          const int8_t* w = panel + t * panel_stride + i * 2 * kLanes;
+#pragma omp simd
+          for (int64_t j = 0; j < kLanes; ++j) iacc[r][t][j] += w[2 * j] * lo + w[2 * j + 1] * hi;
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < T; ++t)
+        for (int64_t j = 0; j < kLanes; ++j) acc[r][t][j] += static_cast<float>(iacc[r][t][j]) * xs[r * nb + b];
+  }
+  for (int t = 0; t < T; ++t) {
+    for (int64_t j = 0; j < kLanes; ++j) {
+      const int64_t col = n0 + t * kLanes + j;
+      if (col >= n) break;
+      const float bv = bias ? bias[col] : 0.f;
+      for (int r = 0; r < R; ++r) out[r * ldo + col] = acc[r][t][j] * scale[col] + bv;
+    }
+  }
+}
+
+#endif
+
+template <int T>
+void int8_rows_kernel(int64_t rows, const int32_t* xq, int64_t k2, const float* xs, int64_t nb, const int8_t* panel,
+                      const float* scale, const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n) {
+  int64_t r = 0;
+  for (; r + kMaxRows <= rows; r += kMaxRows)
+    int8_block_kernel<kMaxRows, T>(xq + r * k2, k2, xs + r * nb, nb, panel, scale, bias, out + r * ldo, ldo, n0, n);
+  const int32_t* xr = xq + r * k2;
+  const float* sr = xs + r * nb;
+  float* outr = out + r * ldo;
+  switch (rows - r) {
+    case 0: break;
+    case 1: int8_block_kernel<1, T>(xr, k2, sr, nb, panel, scale, bias, outr, ldo, n0, n); break;
+    case 2: int8_block_kernel<2, T>(xr, k2, sr, nb, panel, scale, bias, outr, ldo, n0, n); break;
+    case 3: int8_block_kernel<3, T>(xr, k2, sr, nb, panel, scale, bias, outr, ldo, n0, n); break;
+    case 4: int8_block_kernel<4, T>(xr, k2, sr, nb, panel, scale, bias, outr, ldo, n0, n); break;
+    case 5: int8_block_kernel<5, T>(xr, k2, sr, nb, panel, scale, bias, outr, ldo, n0, n); break;
+    case 6: int8_block_kernel<6, T>(xr, k2, sr, nb, panel, scale, bias, outr, ldo, n0, n); break;
+    default: int8_block_kernel<7, T>(xr, k2, sr, nb, panel, scale, bias, outr, ldo, n0, n); break;
+  }
+}
+
+void panel_linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels, const float* scale,
+                       const float* bias) {
+  const int64_t m = x.size(0), k_size = x.size(1), n = out.size(1);
+  const int64_t k2 = panels.size(1), nb = (k2 + kBlockPairs - 1) / kBlockPairs;
+  const int64_t num_panels = panels.size(0);
+  const int64_t num_tiles = (num_panels + kTilePanels - 1) / kTilePanels;
+  at::Tensor xq = at::empty({m, k2}, at::kInt);
+  at::Tensor xs = at::empty({m, nb}, at::kFloat);
+  quantize_rows(x.data_ptr<float>(), x.stride(0), m, k_size, xq.data_ptr<int32_t>(), xs.data_ptr<float>());
+  const int32_t* xqp = xq.data_ptr<int32_t>();
+  const float* xsp = xs.data_ptr<float>();
+  const int8_t* wp = panels.data_ptr<int8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t ldo = out.stride(0);
+  const int64_t row_chunk = std::max<int64_t>(kMaxRows, (256 * 1024 / 4 / std::max<int64_t>(k2, 1)) / kMaxRows * kMaxRows);
+  const int64_t tile_work = std::max<int64_t>(1, std::min(m, row_chunk) * k2 * 2 * kTilePanels * kLanes);
+  const int64_t grain = std::max<int64_t>(1, 131072 / tile_work);
+  for (int64_t r0 = 0; r0 < m; r0 += row_chunk) {
+    const int64_t rows = std::min(row_chunk, m - r0);
+    at::parallel_for(0, num_tiles, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t tile = begin; tile < end; ++tile) {
+        const int64_t p0 = tile * kTilePanels;
+        const int8_t* panel = wp + p0 * k2 * 2 * kLanes;
+        const int64_t n0 = p0 * kLanes;
+        if (p0 + kTilePanels <= num_panels)
+          int8_rows_kernel<kTilePanels>(rows, xqp + r0 * k2, k2, xsp + r0 * nb, nb, panel, scale, bias,
+                                        op + r0 * ldo, ldo, n0, n);
+        else
+          int8_rows_kernel<1>(rows, xqp + r0 * k2, k2, xsp + r0 * nb, nb, panel, scale, bias, op + r0 * ldo, ldo,
+                              n0, n);
+      }
+    });
+  }
+}
+
 template <typename W>
 void panel_linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels, const float* scale,
                        const float* bias) {
@@ -173,9 +377,12 @@ void panel_linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& p
 void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scale,
                   const at::Tensor& bias) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "x must be [M, K] float32");
-  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kLanes && panels.is_contiguous(),
-              "panels must be contiguous [P, K, 16]");
-  TORCH_CHECK(panels.size(1) == x.size(1), "x has ", x.size(1), " columns, the panels ", panels.size(1), " rows");
+  const bool int8 = panels.scalar_type() == at::kChar;
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == (int8 ? 2 * kLanes : kLanes) && panels.is_contiguous(),
+              "panels must be contiguous [P, K, 16] float32 or [P, ceil(K / 2), 32] int8");
+  TORCH_CHECK(panels.size(1) == (int8 ? (x.size(1) + 1) / 2 : x.size(1)), "x has ", x.size(1),
+              " columns, which do not match the panels' ", panels.size(1), " rows");
+  TORCH_CHECK(!int8 || scale.numel() > 0, "int8 panels need their scale");
   TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.stride(1) == 1 && out.size(0) == x.size(0),
               "out must be [M, N] float32");
   TORCH_CHECK(out.size(1) <= panels.size(0) * kLanes, "out has more columns than the panels");
@@ -189,8 +396,8 @@ void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& panels,
   const float* s = has_scale ? scale.data_ptr<float>() : nullptr;
   const float* b = has_bias ? bias.data_ptr<float>() : nullptr;
   if (x.size(0) == 0) return;
-  if (panels.scalar_type() == at::kChar)
-    panel_linear_impl<int8_t>(out, x, panels, s, b);
+  if (int8)
+    panel_linear_int8(out, x, panels, s, b);
   else if (panels.scalar_type() == at::kFloat)
     panel_linear_impl<float>(out, x, panels, s, b);
   else
@@ -198,6 +405,13 @@ void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& panels,
 }
 
 }  // namespace
+
+namespace tandem_cpu {
+void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scale,
+                  const at::Tensor& bias) {
+  ::panel_linear(out, x, panels, scale, bias);
+}
+}  // namespace tandem_cpu
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("panel_linear(Tensor(a!) out, Tensor x, Tensor panels, Tensor scale, Tensor bias) -> ()");

@@ -1,0 +1,155 @@
+"""Batched decode side by side with llama.cpp: Tandem's engine vs ``llama-batched-bench``.
+
+The shape of ``llama-batched-bench -npp P -ntg G -npl B``: B sequences of P prompt
+tokens each, G tokens generated per sequence, all in one batch. llama.cpp prints the
+prompt-processing rate (S_PP), the generation rate (S_TG = B*G / generation time) and
+the whole job's rate. Tandem does the same job on its ``EngineCore``: B greedy requests
+with random P-token prompts and ``max_tokens=G`` (``ignore_eos``); the prompt phase ends
+when every request has its first token, the generation rate is the tokens of the
+remaining steps over their time. Each Tandem configuration (float32, and
+``--quantization int8``) is compared with the GGUF of the same checkpoint (F32, Q8_0).
+The two sides run one after the other in one process tree, never at once.
+
+Set-up (not part of Tandem's dependencies; ``../shared/FIELD-NOTES.md`` has the facts):
+build ``llama-batched-bench`` from the ``llama-cpp-python`` sdist's vendored llama.cpp
+(``cmake -B build -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF
+-DCMAKE_BUILD_TYPE=Release && cmake --build build --target llama-batched-bench``) and
+convert the checkpoint with its ``convert_hf_to_gguf.py --outtype f32|q8_0``.
+
+    python -m benchmarks.llama_cpp_peer --model ~/.cache/tandem/bench-135m \\
+        --llama-bench .../build/bin/llama-batched-bench \\
+        --gguf-f32 bench-f32.gguf --gguf-q8 bench-q8_0.gguf --batch-sizes 1,64
+    python -m benchmarks.llama_cpp_peer             # Tandem only, tiny model (smoke)
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+
+from benchmarks.common import format_table, load_average
+from engine_service.config import EngineConfig
+from engine_service.core import EngineCore
+from tandem.protocol.outputs import EngineCoreRequest
+from tandem.protocol.sampling_params import SamplingParams
+
+
+@dataclass
+class Rates:
+    """Tokens per second of one batched job."""
+
+    prompt: float  # prompt tokens / prompt phase seconds
+    generation: float  # generated tokens / generation phase seconds
+    total: float  # (prompt + generated tokens) / job seconds
+    step_ms: float  # generation phase: mean ms per step
+
+
+def tandem_rates(core: EngineCore, batch: int, prompt_len: int, gen_len: int, seed: int) -> Rates:
+    rng = random.Random(seed)
+    vocab = core.model_config.vocab_size
+    params = SamplingParams(max_tokens=gen_len, ignore_eos=True, temperature=0.0)
+    for i in range(batch):
+        prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+        core.add_request(EngineCoreRequest(f"b{batch}-{seed}-{i}", prompt, params))
+    started: set[str] = set()
+    start = time.perf_counter()
+    while len(started) < batch:
+        started.update(o.request_id for o in core.step().outputs if o.new_token_ids)
+    prompt_done = time.perf_counter()
+    steps = generated = 0
+    while core.has_unfinished_requests():
+        generated += sum(len(o.new_token_ids) for o in core.step().outputs)
+        steps += 1
+    end = time.perf_counter()
+    gen_s = max(end - prompt_done, 1e-9)
+    return Rates(
+        prompt=batch * prompt_len / (prompt_done - start),
+        generation=generated / gen_s,
+        total=batch * (prompt_len + gen_len) / (end - start),
+        step_ms=gen_s / max(steps, 1) * 1e3,
+    )
+
+
+_ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|\s*(\d+)\s*\|" + r"\s*([\d.]+)\s*\|" * 6)
+
+
+def llama_rates(binary: str, gguf: str, batch: int, prompt_len: int, gen_len: int, threads: int) -> Rates:
+    cmd = [binary, "-m", gguf, "-npp", str(prompt_len), "-ntg", str(gen_len), "-npl", str(batch),
+           "-t", str(threads), "-fa", "off", "-c", str(batch * (prompt_len + gen_len) + 64)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    for line in out.splitlines():
+        m = _ROW.match(line.strip())
+        if m:
+            t_tg, s_pp, s_tg, s_total = float(m.group(7)), float(m.group(6)), float(m.group(8)), float(m.group(10))
+            return Rates(prompt=s_pp, generation=s_tg, total=s_total, step_ms=t_tg / gen_len * 1e3)
+    raise RuntimeError(f"no result row in llama-batched-bench output:\n{out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="", help="checkpoint directory; default: a tiny model made here")
+    p.add_argument("--llama-bench", default="", help="path of llama-batched-bench; empty: Tandem only")
+    p.add_argument("--gguf-f32", default="", help="the checkpoint as F32 GGUF")
+    p.add_argument("--gguf-q8", default="", help="the checkpoint as Q8_0 GGUF")
+    p.add_argument("--batch-sizes", default="1,64")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--gen-len", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2, help="threads for both sides (default 2)")
+    p.add_argument("--repeats", type=int, default=2, help="runs per cell; the best is kept (default 2)")
+    p.add_argument("--configs", default="fp32,int8", help="Tandem configurations (default fp32,int8)")
+    args = p.parse_args(argv)
+    model = args.model
+    if not model:
+        from engine_service.make_model import make_model
+
+        model = make_model(tempfile.mkdtemp(prefix="tandem-llama-peer-"), "llama", "tiny", seed=0)
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    peers = {"fp32": ("llama.cpp F32", args.gguf_f32), "int8": ("llama.cpp Q8_0", args.gguf_q8)}
+    rows = []
+    print(f"load before: {load_average()}", flush=True)
+    for name in args.configs.split(","):
+        core = EngineCore(EngineConfig(
+            model=model, quantization="int8" if name == "int8" else "none", num_threads=args.threads,
+            max_num_seqs=max(sizes), max_model_len=args.prompt_len + args.gen_len + 16,
+            max_num_batched_tokens=max(2048, args.prompt_len),
+        ))
+        torch.set_num_threads(args.threads)
+        tandem_rates(core, 1, args.prompt_len, 4, seed=-1)  # first-use costs out of the timing
+        peer_name, gguf = peers[name]
+        for batch in sizes:
+            best: dict[str, Rates] = {}
+            for r in range(args.repeats):
+                t = tandem_rates(core, batch, args.prompt_len, args.gen_len, seed=r)
+                if "tandem" not in best or t.generation > best["tandem"].generation:
+                    best["tandem"] = t
+                if args.llama_bench and gguf:
+                    lr = llama_rates(args.llama_bench, gguf, batch, args.prompt_len, args.gen_len, args.threads)
+                    if "peer" not in best or lr.generation > best["peer"].generation:
+                        best["peer"] = lr
+            t = best["tandem"]
+            rows.append([f"Tandem {name}", batch, f"{t.prompt:.1f}", f"{t.generation:.1f}", f"{t.total:.1f}",
+                         f"{t.step_ms:.2f}", ""])
+            if "peer" in best:
+                lr = best["peer"]
+                rows.append([peer_name, batch, f"{lr.prompt:.1f}", f"{lr.generation:.1f}", f"{lr.total:.1f}",
+                             f"{lr.step_ms:.2f}", f"{t.generation / lr.generation:.2f}x"])
+            print(format_table(["", "batch", "prompt tok/s", "gen tok/s", "job tok/s", "ms/step",
+                                "Tandem gen / peer"], rows[-2 if "peer" in best else -1:]), flush=True)
+        del core
+    print(f"\nprompt {args.prompt_len}, generated {args.gen_len}, threads {args.threads}, best of "
+          f"{args.repeats}; load after: {load_average()}")
+    print(format_table(["", "batch", "prompt tok/s", "gen tok/s", "job tok/s", "ms/step", "Tandem gen / peer"],
+                       rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
