@@ -601,22 +601,29 @@ def _split_plain(
     return list(compress(outputs, mask)), list(compress(outputs, map(not_, mask)))
 
 
+def _token_columns_fields(cols: TokenColumns) -> dict[str, list[Any] | None]:
+    """TokenColumns' fields by name. Whole lists go to protobuf's C code; a None
+    column is sent empty. Passed as a dict to the enclosing message's constructor,
+    they are written in place (a TokenColumns message would be copied once more)."""
+    return {
+        "request_ids": cols.request_ids,
+        "num_new_tokens": cols.num_new_tokens,
+        "new_token_ids": cols.new_token_ids,
+        "num_cached_tokens": cols.num_cached_tokens,
+    }
+
+
 def token_columns_to_proto(cols: TokenColumns) -> engine_pb2.TokenColumns:
-    """Whole lists go to protobuf's C code; a None column is sent empty."""
-    return engine_pb2.TokenColumns(
-        request_ids=cols.request_ids,
-        num_new_tokens=cols.num_new_tokens,
-        new_token_ids=cols.new_token_ids,
-        num_cached_tokens=cols.num_cached_tokens,
-    )
+    return engine_pb2.TokenColumns(**_token_columns_fields(cols))
 
 
 def token_columns_from_proto(msg: engine_pb2.TokenColumns) -> TokenColumns:
-    """Raises ConversionError when the columns' lengths disagree."""
-    request_ids = list(msg.request_ids)
+    """Raises ConversionError when the columns' lengths disagree. (Slicing a
+    repeated field makes its list in C, faster than ``list()``.)"""
+    request_ids = msg.request_ids[:]
     n = len(request_ids)
-    tokens = list(msg.new_token_ids)
-    counts: list[int] | None = list(msg.num_new_tokens) or None
+    tokens = msg.new_token_ids[:]
+    counts: list[int] | None = msg.num_new_tokens[:] or None
     if counts is None:
         if len(tokens) != n:
             raise ConversionError(f"TokenColumns: {n} requests but {len(tokens)} tokens")
@@ -625,7 +632,7 @@ def token_columns_from_proto(msg: engine_pb2.TokenColumns) -> TokenColumns:
             f"TokenColumns: {n} requests, {len(counts)} token counts summing to "
             f"{sum(counts)}, {len(tokens)} tokens"
         )
-    cached: list[int] | None = list(msg.num_cached_tokens) or None
+    cached: list[int] | None = msg.num_cached_tokens[:] or None
     if cached is not None and len(cached) != n:
         raise ConversionError(f"TokenColumns: {n} requests but {len(cached)} cached counts")
     return TokenColumns(request_ids, tokens, counts, cached)
@@ -644,7 +651,7 @@ def engine_core_outputs_to_proto(outs: EngineCoreOutputs) -> engine_pb2.EngineCo
     return engine_pb2.EngineCoreOutputs(
         engine_index=outs.engine_index,
         outputs=[engine_core_output_to_proto(o) for o in detailed],
-        token_columns=None if columns is None else token_columns_to_proto(columns),
+        token_columns=None if columns is None else _token_columns_fields(columns),
         scheduler_stats=None if stats is None else scheduler_stats_to_proto(stats),
         timestamp=outs.timestamp,
         utility_output=None if utility is None else utility_output_to_proto(utility),
