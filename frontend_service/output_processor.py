@@ -11,7 +11,7 @@ engine request id is the user request id; with n > 1 child ``i`` is ``f"{i}_{use
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import TYPE_CHECKING, Any
@@ -309,6 +309,9 @@ class ParentRequest:
 
     @property
     def finished(self) -> bool:
+        if self.n == 1:  # the common case, asked twice per request and step
+            child = self._children[0]
+            return self._aborted or (child is not None and child.finished)
         return self._aborted or all(c is not None and c.finished for c in self._children)
 
     def abort(self) -> list[RequestState]:
@@ -319,29 +322,32 @@ class ParentRequest:
         self._aborted = True
         return aborted
 
-    def make_output(self, progressed: Iterable[RequestState]) -> RequestOutput | None:
-        """The ``RequestOutput`` after this step, or None when nothing is due."""
+    def make_output(self, progressed: Sequence[RequestState]) -> RequestOutput | None:
+        """The ``RequestOutput`` after this step, or None when nothing is due.
+        ``progressed``: the children that moved this step (one may appear twice)."""
         if self._final_sent:
             return None
         finished = self.finished
         kind = self.output_kind
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
-        if kind == RequestOutputKind.DELTA:
+        children = self.children
+        if kind != RequestOutputKind.DELTA:
+            completions = [self._cumulative(i) for i in range(self.n)]
+        elif self.n == 1:  # every entry of progressed is the one child
+            completions = [progressed[0].delta()] if progressed else []
+        else:
             unique = {s.index: s for s in progressed}
             completions = [unique[i].delta() for i in sorted(unique)]
-        else:
-            completions = [self._cumulative(i) for i in range(self.n)]
         self._final_sent = finished
-        children = self.children
-        cached = max((c.num_cached_tokens for c in children), default=0)
+        cached = max([c.num_cached_tokens for c in children], default=0)
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
             outputs=completions,
             finished=finished,
-            prompt_logprobs=self._prompt_logprobs(),
+            prompt_logprobs=self._prompt_logprobs(children),
             num_cached_tokens=cached,
             usage=RequestUsage(
                 prompt_tokens=len(self.prompt_token_ids),
@@ -356,9 +362,9 @@ class ParentRequest:
             return CompletionOutput(index=index, text="", token_ids=[])
         return child.cumulative()
 
-    def _prompt_logprobs(self) -> PromptLogprobs | None:
+    def _prompt_logprobs(self, children: list[RequestState]) -> PromptLogprobs | None:
         """The first child's prompt logprobs; DELTA sends them only once."""
-        for child in self.children:
+        for child in children:
             found = child.logprobs.prompt_logprobs
             if found is None:
                 continue
