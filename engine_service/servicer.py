@@ -214,7 +214,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
     def _columns_by_client(self, cols: TokenColumns | None) -> dict[int, TokenColumns]:
         """Each connected client's share of the step's column outputs (none of which
         finished, so no bookkeeping); requests without a live owner are dropped."""
-        if cols is None:
+        if not cols:
             return {}
         owners = list(map(self.owner.get, cols.request_ids))
         first = owners[0]

@@ -67,3 +67,9 @@ def test_a_step_for_nobody_sends_no_columns(tiny_llama_dir: str) -> None:
     servicer._dispatch(EngineCoreOutputs(token_columns=TokenColumns(["other", "gone"], [1, 2])))
     step = _received(servicer.clients[0].outbox)  # remote clients get the stats every step
     assert step.token_columns is None and step.outputs == []
+
+
+def test_empty_columns_send_nothing(tiny_llama_dir: str) -> None:
+    servicer = _servicer(tiny_llama_dir, {"mine": 0}, local={0})
+    servicer._dispatch(EngineCoreOutputs(token_columns=TokenColumns([], [])))
+    assert servicer.clients[0].outbox.empty()  # a local client gets only steps with outputs
