@@ -128,14 +128,15 @@ _NONE_ARGS = (repeat(None),) * 4
 class TokenColumns:
     """The outputs of one step's requests that carry nothing but new tokens and a
     cached-token count, as columns: entry i of each column belongs to request i.
-    Producers write None rather than an all-ones count column or an all-zero cached
-    column (``from_outputs`` and ``select`` do), so equal steps compare equal.
 
     A plain decode step is three lists, so the engine builds it, the wire carries it
     and the frontend reads it without one object per request. Each entry means what
     ``EngineCoreOutput(request_ids[i], <its tokens>, num_cached_tokens=...)`` means;
     none of these requests finished in the step (a finished one carries a finish
     reason and travels as an EngineCoreOutput).
+
+    Producers write None rather than an all-ones count column or an all-zero cached
+    column (``from_outputs`` and ``select`` do), so equal steps compare equal.
     """
 
     request_ids: list[str]
@@ -280,6 +281,7 @@ class EngineCoreOutputs:
 
     @property
     def num_outputs(self) -> int:
+        """Requests that produced something in this step (columns and outputs)."""
         return len(self.outputs) + (0 if self.token_columns is None else len(self.token_columns))
 
     @classmethod
