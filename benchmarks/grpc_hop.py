@@ -1,15 +1,18 @@
 """What the gRPC split costs.
 
 1. Serialization: encode + decode of one engine step's EngineCoreOutputs for N requests
-   (one new token each), domain objects -> bytes -> domain objects, as Protobuf (our
-   tandem.v1 messages, via tandem.protocol.convert) and as msgspec array-like Structs
-   shaped like vLLM's.
-2. Full stack vs in-process: the same workload through ``tandem serve`` (client ->
+   (one new token each), the engine's domain outputs -> bytes -> the frontend's, as
+   Protobuf (our tandem.v1 messages, via tandem.protocol.convert) and as msgspec
+   array-like Structs shaped like vLLM's (see bench_serialization for what each times).
+2. Frontend step: received bytes -> one RequestOutput per request for a plain decode
+   step, reading the step as columns vs as one object per request.
+3. Full stack vs in-process: the same workload through ``tandem serve`` (client ->
    frontend -> engine over gRPC) and through the in-process ``LLM``; output tokens/s
    and their ratio.
 
     python benchmarks/grpc_hop.py                 # demo model, 64 requests
     python benchmarks/grpc_hop.py --smoke         # tiny model, a few requests
+    python benchmarks/grpc_hop.py --hop-only      # parts 1 and 2 only
 """
 
 from __future__ import annotations
@@ -29,7 +32,13 @@ from typing import Any
 import msgspec
 
 from tandem.protocol import convert
-from tandem.protocol.outputs import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from tandem.protocol.outputs import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    SchedulerStats,
+    TokenColumns,
+)
+from tandem.protocol.sampling_params import RequestOutputKind, SamplingParams
 
 
 class MsgOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -74,27 +83,51 @@ def _interleaved_medians_us(fns: dict[str, Any], repeats: int) -> dict[str, floa
     return {name: sorted(t)[len(t) // 2] * 1e6 for name, t in times.items()}
 
 
-def bench_serialization(num_requests: int, repeats: int) -> dict[str, float]:
-    """The per-step cost of the hop for a decode step of ``num_requests`` requests
-    (one new token each): the engine turns its domain outputs into bytes, the frontend
-    turns the bytes back into domain outputs. Both sides start from objects that exist
-    anyway (the scheduler's outputs; the received bytes), so building those is not
-    timed; msgspec gets the same: encode Structs, decode into Structs."""
+def _decode_step(num_requests: int) -> tuple[list[str], list[int]]:
     ids = [f"req-{i:06d}-{random.getrandbits(32):08x}" for i in range(num_requests)]
-    tokens = [random.randrange(50_000) for _ in range(num_requests)]
-    outs = EngineCoreOutputs(
+    return ids, [random.randrange(50_000) for _ in range(num_requests)]
+
+
+def bench_serialization(num_requests: int, repeats: int) -> dict[str, float]:
+    """The per-step cost of the hop for a decode step of ``num_requests`` requests (one
+    new token each), from what the engine has after the step to what the frontend reads.
+
+    - protobuf (columns), the stack's path: the engine's ``EngineCoreOutputs`` holds the
+      step as ``TokenColumns`` (three lists, built by ``EngineCore._make_outputs``);
+      encode = convert + serialize; decode = parse + convert back to the
+      ``EngineCoreOutputs`` with ``TokenColumns`` that ``AsyncLLM`` consumes.
+    - protobuf (objects), for reference: one ``EngineCoreOutput`` per request on both
+      ends (the path before issue 15: encode splits them into columns, decode makes the
+      objects again via ``all_outputs()``).
+    - msgspec: encode prebuilt vLLM-shaped array-like Structs, decode into those Structs
+      (one Struct per request on both ends, as vLLM's engine and frontend have).
+
+    Building the inputs (the engine's outputs; the received bytes) is not timed on any
+    side. All six functions are interleaved, so load changes hit them alike."""
+    ids, tokens = _decode_step(num_requests)
+    stats = SchedulerStats(num_running_reqs=num_requests, kv_cache_usage=0.42)
+    outs = EngineCoreOutputs(token_columns=TokenColumns(ids, tokens), scheduler_stats=stats)
+    object_outs = EngineCoreOutputs(
         outputs=[EngineCoreOutput(rid, [t]) for rid, t in zip(ids, tokens)],
-        scheduler_stats=SchedulerStats(num_running_reqs=num_requests, kv_cache_usage=0.42),
+        scheduler_stats=stats,
+        timestamp=outs.timestamp,
     )
     parse = convert.engine_pb2.EngineCoreOutputs.FromString
 
     def proto_encode() -> bytes:
         return convert.engine_core_outputs_to_proto(outs).SerializeToString()
 
+    def proto_objects_encode() -> bytes:
+        return convert.engine_core_outputs_to_proto(object_outs).SerializeToString()
+
     proto_data = proto_encode()
+    assert proto_objects_encode() == proto_data  # the same message either way
 
     def proto_decode() -> EngineCoreOutputs:
         return convert.engine_core_outputs_from_proto(parse(proto_data))
+
+    def proto_objects_decode() -> list[EngineCoreOutput]:
+        return convert.engine_core_outputs_from_proto(parse(proto_data)).all_outputs()
 
     encoder = msgspec.msgpack.Encoder()
     decoder = msgspec.msgpack.Decoder(MsgOutputs)
@@ -110,27 +143,74 @@ def bench_serialization(num_requests: int, repeats: int) -> dict[str, float]:
     def msgspec_decode() -> MsgOutputs:
         return decoder.decode(msg_data)
 
-    assert convert.engine_core_outputs_from_proto(parse(proto_data)) == outs
+    assert proto_decode() == outs
+    assert proto_objects_decode() == object_outs.outputs
     assert decoder.decode(msg_data) == msg_outs
     t = _interleaved_medians_us(
         {
             "protobuf_encode_us": proto_encode,
             "protobuf_decode_us": proto_decode,
+            "protobuf_objects_encode_us": proto_objects_encode,
+            "protobuf_objects_decode_us": proto_objects_decode,
             "msgspec_encode_us": msgspec_encode,
             "msgspec_decode_us": msgspec_decode,
         },
         repeats,
     )
     proto_us = t["protobuf_encode_us"] + t["protobuf_decode_us"]
+    objects_us = t["protobuf_objects_encode_us"] + t["protobuf_objects_decode_us"]
     msgspec_us = t["msgspec_encode_us"] + t["msgspec_decode_us"]
     return {
         **t,
         "protobuf_us": proto_us,
+        "protobuf_objects_us": objects_us,
         "msgspec_us": msgspec_us,
         "ratio": proto_us / msgspec_us,
+        "objects_ratio": objects_us / msgspec_us,
         "protobuf_bytes": len(proto_data),
         "msgspec_bytes": len(msg_data),
     }
+
+
+def bench_frontend_step(tokenizer: Any, num_requests: int, repeats: int) -> dict[str, float]:
+    """The frontend's work for one plain decode step of ``num_requests`` DELTA requests:
+    received bytes -> ``RequestOutput`` per request (decode, detokenize, build outputs),
+    with the step read as columns (today) and as one EngineCoreOutput per request (the
+    path before issue 15). Two processors hold the same requests; interleaved medians."""
+    from frontend_service.input_processor import InputProcessor
+    from frontend_service.output_processor import OutputProcessor
+
+    ids, _ = _decode_step(num_requests)
+    vocab = len(tokenizer)
+    inputs = InputProcessor(tokenizer, 1 << 20, vocab, 0, None)
+    params = SamplingParams(max_tokens=None, output_kind=RequestOutputKind.DELTA)
+    processors = {"columns": OutputProcessor(tokenizer), "objects": OutputProcessor(tokenizer)}
+    for rid in ids:
+        for processor in processors.values():
+            processor.add_processed(inputs.process(rid, params, prompt_token_ids=[5, 6, 7]))
+    steps = [
+        convert.engine_core_outputs_to_proto(
+            EngineCoreOutputs(token_columns=TokenColumns(ids, [random.randrange(5, vocab) for _ in ids]))
+        ).SerializeToString()
+        for _ in range(16)
+    ]
+    parse = convert.engine_pb2.EngineCoreOutputs.FromString
+    turn = {"columns": 0, "objects": 0}
+
+    def columns() -> None:
+        outs = convert.engine_core_outputs_from_proto(parse(steps[turn["columns"] % len(steps)]))
+        turn["columns"] += 1
+        done = processors["columns"].process_outputs(outs.outputs, outs.token_columns)
+        assert len(done.request_outputs) == num_requests
+
+    def objects() -> None:
+        outs = convert.engine_core_outputs_from_proto(parse(steps[turn["objects"] % len(steps)]))
+        turn["objects"] += 1
+        done = processors["objects"].process_outputs(outs.all_outputs())
+        assert len(done.request_outputs) == num_requests
+
+    t = _interleaved_medians_us({"columns_us": columns, "objects_us": objects}, repeats)
+    return {**t, "saved_us": t["objects_us"] - t["columns_us"]}
 
 
 def _free_port() -> int:
@@ -228,19 +308,28 @@ def main() -> int:
     ap.add_argument("--kv-cache-mib", type=int, default=256,
                     help="KV-cache budget of both engines; the default 256 MiB holds about half of "
                          "the 64 requests at once, so the run includes preemptions")
+    ap.add_argument("--repeats", type=int, default=0,
+                    help="timed repeats of the serialization part (default 0: 1000, 200 with --smoke; "
+                         "the frontend-step part runs a tenth as many)")
+    ap.add_argument("--hop-only", action="store_true",
+                    help="only parts 1 and 2 (serialization, frontend step), not the full stack (default off)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     random.seed(0)
 
-    ser = bench_serialization(args.serialize_requests, repeats=200 if args.smoke else 1000)
-    print(f"EngineCoreOutputs, {args.serialize_requests} requests x 1 token, domain -> bytes -> domain"
-          " (median):")
-    print(f"  protobuf (tandem.v1 + convert) {ser['protobuf_us']:7.1f} us"
+    repeats = args.repeats or (200 if args.smoke else 1000)
+    ser = bench_serialization(args.serialize_requests, repeats)
+    n = args.serialize_requests
+    print(f"EngineCoreOutputs, {n} requests x 1 token, engine's outputs -> bytes -> frontend's (median):")
+    print(f"  protobuf, columns (the stack)  {ser['protobuf_us']:7.1f} us"
           f" (encode {ser['protobuf_encode_us']:.1f} + decode {ser['protobuf_decode_us']:.1f},"
-          f" {ser['protobuf_bytes']} B)")
+          f" {ser['protobuf_bytes']} B)   ratio {ser['ratio']:.2f}x")
+    print(f"  protobuf, objects on both ends {ser['protobuf_objects_us']:7.1f} us"
+          f" (encode {ser['protobuf_objects_encode_us']:.1f} + decode {ser['protobuf_objects_decode_us']:.1f})"
+          f"   ratio {ser['objects_ratio']:.2f}x")
     print(f"  msgspec (vLLM-shaped structs)  {ser['msgspec_us']:7.1f} us"
           f" (encode {ser['msgspec_encode_us']:.1f} + decode {ser['msgspec_decode_us']:.1f},"
-          f" {ser['msgspec_bytes']} B)   ratio {ser['ratio']:.2f}x")
+          f" {ser['msgspec_bytes']} B)")
 
     model = args.model
     if args.smoke:
@@ -252,6 +341,17 @@ def main() -> int:
         from engine_service.make_model import demo_model_dir
 
         model = demo_model_dir()
+    from transformers import AutoTokenizer
+
+    front = bench_frontend_step(AutoTokenizer.from_pretrained(model), n, max(repeats // 10, 5))
+    print(f"\nFrontend, one plain decode step of {n} DELTA requests, bytes -> RequestOutputs (median):")
+    print(f"  read as columns   {front['columns_us']:8.1f} us")
+    print(f"  read as objects   {front['objects_us']:8.1f} us   (saved {front['saved_us']:.1f} us)")
+    result: dict[str, Any] = {"serialization": ser, "frontend_step": front, "model": model}
+    if args.hop_only:
+        _write_json(args.json, result)
+        return 0
+
     from tandem.protocol.model_config import ModelConfig
 
     vocab = ModelConfig.from_pretrained(model).vocab_size
@@ -263,10 +363,14 @@ def main() -> int:
     print(f"  full gRPC stack   {stack['grpc_tok_s']:8.1f} output tok/s ({stack['grpc_s']:.2f}s)")
     print(f"  in-process LLM    {stack['local_tok_s']:8.1f} output tok/s ({stack['local_s']:.2f}s)")
     print(f"  ratio gRPC / in-process: {stack['ratio']:.2f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"serialization": ser, "stack": stack, "model": model}, f, indent=2)
+    _write_json(args.json, {**result, "stack": stack})
     return 0
+
+
+def _write_json(path: str, doc: dict[str, Any]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=2)
 
 
 if __name__ == "__main__":

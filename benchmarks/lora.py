@@ -71,7 +71,7 @@ def decode_tok_s(
     start = time.perf_counter()
     tokens = 0
     for _ in range(steps):
-        tokens += sum(len(o.new_token_ids) for o in core.step().outputs)
+        tokens += sum(len(o.new_token_ids) for o in core.step().all_outputs())
     elapsed = time.perf_counter() - start
     core.abort_requests(list(core.scheduler.requests))
     core.take_abort_outputs()

@@ -165,12 +165,12 @@ def run_tandem(
                 r.num_computed_tokens == r.num_tokens - 1 for r in sched.running
             )
             start = time.perf_counter()
-            outs = core.step().outputs
+            step = core.step()
             if decode_only:
                 decode["steps"] += 1
-                decode["tokens"] += len(outs)
+                decode["tokens"] += step.num_outputs
                 decode["seconds"] += time.perf_counter() - start
-            for out in outs:
+            for out in step.all_outputs():
                 tokens[out.request_id].extend(out.new_token_ids)
         return [tokens[f"{tag}{i}"] for i in range(len(prompts))]
 

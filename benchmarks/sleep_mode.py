@@ -27,7 +27,7 @@ def greedy(core: EngineCore, rid: str) -> list[int]:
     core.add_request(EngineCoreRequest(rid, list(range(10, 42)), SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)))
     tokens: list[int] = []
     while core.has_unfinished_requests():
-        for out in core.step().outputs:
+        for out in core.step().all_outputs():
             tokens += out.new_token_ids
     return tokens
 

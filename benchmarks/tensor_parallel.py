@@ -155,7 +155,7 @@ def run_engine(model: str, tp: int, threads: int, args: argparse.Namespace) -> d
                 t0 = time.perf_counter()
                 outs = core.step()
                 step_times.append((outs.scheduler_stats.num_running_reqs, time.perf_counter() - t0))
-                for o in outs.outputs:
+                for o in outs.all_outputs():
                     tokens[o.request_id] += o.new_token_ids
     finally:
         core.shutdown()

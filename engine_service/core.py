@@ -49,6 +49,7 @@ from tandem.protocol.outputs import (
     FinishReason,
     IterationStats,
     RequestError,
+    TokenColumns,
 )
 from tandem.protocol.sampling_params import InvalidRequestError
 
@@ -369,7 +370,13 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
     def _make_outputs(
         self, sched: SchedulerOutput, result: RunnerOutput, finished: list[Request]
     ) -> EngineCoreOutputs:
+        # A request that only got its token this step (the common decode case) goes into
+        # the columns: three list appends instead of one EngineCoreOutput each.
         outputs = []
+        plain_ids: list[str] = []
+        plain_tokens: list[int] = []
+        plain_cached: list[int] = []
+        logprobs, prompt_logprobs = result.logprobs, result.prompt_logprobs
         for entry in sched.scheduled:
             request = entry.request
             rid = request.request_id
@@ -389,12 +396,17 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
             token = result.sampled.get(rid)
             if token is None:
                 continue
+            if request.finish_reason is None and rid not in logprobs and rid not in prompt_logprobs:
+                plain_ids.append(rid)
+                plain_tokens.append(token)
+                plain_cached.append(request.num_cached_tokens)
+                continue
             outputs.append(
                 EngineCoreOutput(
                     request_id=rid,
                     new_token_ids=[token],
-                    new_logprobs=result.logprobs.get(rid),
-                    new_prompt_logprobs=result.prompt_logprobs.get(rid),
+                    new_logprobs=logprobs.get(rid),
+                    new_prompt_logprobs=prompt_logprobs.get(rid),
                     finish_reason=request.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
@@ -402,6 +414,11 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
                     trace_headers=request.trace_headers if request.finish_reason is not None else None,
                 )
             )
+        columns = None
+        if plain_ids:
+            # num_cached_tokens is -1 until the prefix cache was looked up; sent as 0.
+            cached = [max(c, 0) for c in plain_cached] if min(plain_cached) < 0 else plain_cached
+            columns = TokenColumns(plain_ids, plain_tokens, None, cached if any(cached) else None)
         for request in self._aborted:
             outputs.append(
                 EngineCoreOutput(
@@ -421,6 +438,7 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
             outputs=outputs,
             scheduler_stats=self.scheduler.stats(),
             finished_requests=done or None,
+            token_columns=columns,
             iteration_stats=iteration,
         )
 

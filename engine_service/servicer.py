@@ -36,6 +36,7 @@ from tandem.protocol.outputs import (
     ErrorCode,
     FinishReason,
     RequestError,
+    TokenColumns,
 )
 from tandem.protocol.sampling_params import InvalidRequestError
 from tandem.telemetry import Tracing
@@ -191,6 +192,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
                 del self.owner[out.request_id]
                 if cid in self.clients:
                     self.clients[cid].request_ids.discard(out.request_id)
+        columns = self._columns_by_client(outs.token_columns)
         for cid, outputs in per_client.items():
             step = EngineCoreOutputs(
                 engine_index=outs.engine_index,
@@ -199,14 +201,30 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
                 timestamp=outs.timestamp,
                 finished_requests={o.request_id for o in outputs if o.finished} or None,
                 draining=self.draining,
+                token_columns=columns.get(cid),
             )
             client = self.clients[cid]
             if client.local:
-                if outputs:
+                if outputs or step.token_columns is not None:
                     client.outbox.put_nowait(step)
             else:
                 client.outbox.put_nowait(convert.engine_core_outputs_to_proto(step))
         self._note_if_drained()
+
+    def _columns_by_client(self, cols: TokenColumns | None) -> dict[int, TokenColumns]:
+        """Each connected client's share of the step's column outputs (none of which
+        finished, so no bookkeeping); requests without a live owner are dropped."""
+        if not cols:
+            return {}
+        owners = list(map(self.owner.get, cols.request_ids))
+        first = owners[0]
+        if owners.count(first) == len(owners):  # one client owns all: the usual case
+            return {first: cols} if first in self.clients else {}
+        return {
+            cid: cols.select([o == cid for o in owners])
+            for cid in self.clients
+            if cid in owners
+        }
 
     def _on_dead(self, dead: EngineDead) -> None:
         if self.dead is not None:  # the watchdog and the pump may both report it

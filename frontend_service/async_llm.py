@@ -21,6 +21,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -50,6 +51,7 @@ from tandem.protocol.outputs import (
     ErrorCode,
     FinishReason,
     RequestError,
+    TokenColumns,
 )
 from tandem.protocol.sampling_params import RequestOutputKind, SamplingParams
 from tandem.telemetry import Tracing
@@ -131,22 +133,18 @@ class AsyncLLM(EngineUtilities, Pooling, Sessions, Migration, RequestControl, Re
 
     def on_engine_outputs(self, engine: EngineConnection, outs: EngineCoreOutputs) -> None:
         outputs = outs.outputs
-        if not outputs:
-            return
-        if self._moved or any(o.finish_reason == FinishReason.ERROR for o in outputs):
+        columns = outs.token_columns
+        if outputs and (self._moved or any(o.finish_reason == FinishReason.ERROR for o in outputs)):
             outputs = self._route_failures(engine, outputs)
-            if not outputs:
-                return
-        if self._num_pooling:
+        if columns is not None and self._moved:
+            columns = self._drop_stale_columns(engine, columns)
+        if not outputs and columns is None:
+            return
+        if self._num_pooling and outputs:
             outputs = self.take_pooled(outputs)
         if self._observing:
-            now = time.monotonic()
-            for out in outputs:
-                if out.new_token_ids:
-                    times = self._seq_times.get(out.request_id)
-                    if times is not None:
-                        times.on_tokens(now, len(out.new_token_ids), self.metrics)
-        processed = self.output_processor.process_outputs(outputs)
+            self._observe_tokens(outputs, columns)
+        processed = self.output_processor.process_outputs(outputs, columns)
         for internal_id, request_output in processed.request_outputs:
             stream = self.streams.get(internal_id)
             if stream is not None:
@@ -177,6 +175,27 @@ class AsyncLLM(EngineUtilities, Pooling, Sessions, Migration, RequestControl, Re
             elif out.request_id not in self._moved or self._runs_on(out.request_id, engine):
                 kept.append(out)
         return kept
+
+    def _drop_stale_columns(self, engine: EngineConnection, columns: TokenColumns) -> TokenColumns | None:
+        """The column outputs minus stale ones of requests moved to another engine."""
+        moved = self._moved
+        keep = [rid not in moved or self._runs_on(rid, engine) for rid in columns.request_ids]
+        if all(keep):
+            return columns
+        return columns.select(keep) if any(keep) else None
+
+    def _observe_tokens(self, outputs: list[EngineCoreOutput], columns: TokenColumns | None) -> None:
+        """Token arrival times for metrics and tracing."""
+        now = time.monotonic()
+        seq_times = self._seq_times
+        counts: list[tuple[str, int]] = [(o.request_id, len(o.new_token_ids)) for o in outputs]
+        if columns is not None:
+            per_request = columns.num_new_tokens or repeat(1)
+            counts.extend(zip(columns.request_ids, per_request))
+        for request_id, count in counts:
+            times = seq_times.get(request_id)
+            if count and times is not None:
+                times.on_tokens(now, count, self.metrics)
 
     def _runs_on(self, engine_request_id: str, engine: EngineConnection) -> bool:
         stream = self.streams.get(self._owner.get(engine_request_id, ""))

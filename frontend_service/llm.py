@@ -81,7 +81,7 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
             step = self.engine.step()
-            processed_outputs = processor.process_outputs(step.outputs)
+            processed_outputs = processor.process_outputs(step.outputs, step.token_columns)
             for user_id, out in processed_outputs.request_outputs:
                 if out.finished:
                     results[user_id] = out

@@ -11,8 +11,9 @@ engine request id is the user request id; with n > 1 child ``i`` is ``f"{i}_{use
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 from frontend_service.detokenizer import (
@@ -30,7 +31,13 @@ from frontend_service.outputs import (
     RequestUsage,
     SampleLogprobs,
 )
-from tandem.protocol.outputs import EngineCoreOutput, EngineCoreRequest, FinishReason, Logprobs
+from tandem.protocol.outputs import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    FinishReason,
+    Logprobs,
+    TokenColumns,
+)
 from tandem.protocol.sampling_params import InvalidRequestError, RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -158,17 +165,34 @@ class RequestState:
             and bool(new_ids)
             and new_ids[-1] in self._stop_token_ids
         )
+        if self._add_tokens(new_ids, output.new_logprobs, hide_last):
+            return output.finish_reason is None
+        if output.finish_reason is not None:
+            self.finish(_FINISH_NAMES[output.finish_reason], output.stop_reason)
+        return False
+
+    def add_tokens(self, new_ids: list[int], num_cached_tokens: int) -> bool:
+        """Apply a step's output that carries only new tokens (a TokenColumns entry:
+        the engine did not finish the request); True as for ``update``."""
+        if self.finished:
+            return False
+        if num_cached_tokens > self.num_cached_tokens:
+            self.num_cached_tokens = num_cached_tokens
+        return self._add_tokens(new_ids, None, False)
+
+    def _add_tokens(self, new_ids: list[int], logprobs: Logprobs | None, hide_last: bool) -> bool:
+        """Append the tokens (and their text); True if a stop string finished the request
+        (the rest of ``new_ids`` is then dropped). ``hide_last``: the last token is the
+        engine's stop token, kept in ``token_ids`` but not shown."""
         for position, token_id in enumerate(new_ids):
             self.token_ids.append(token_id)
-            self.logprobs.add_sample(output.new_logprobs, position)
+            self.logprobs.add_sample(logprobs, position)
             if self.text is None or (hide_last and position == len(new_ids) - 1):
                 continue
             match = self.text.add_token(token_id)
             if match is not None:
                 self._finish("stop", match.stop)
-                return output.finish_reason is None
-        if output.finish_reason is not None:
-            self.finish(_FINISH_NAMES[output.finish_reason], output.stop_reason)
+                return True
         return False
 
     def finish(self, reason: FinishReasonName, stop_reason: int | str | None = None) -> None:
@@ -285,6 +309,9 @@ class ParentRequest:
 
     @property
     def finished(self) -> bool:
+        if self.n == 1:  # the common case, asked twice per request and step
+            child = self._children[0]
+            return self._aborted or (child is not None and child.finished)
         return self._aborted or all(c is not None and c.finished for c in self._children)
 
     def abort(self) -> list[RequestState]:
@@ -295,29 +322,32 @@ class ParentRequest:
         self._aborted = True
         return aborted
 
-    def make_output(self, progressed: Iterable[RequestState]) -> RequestOutput | None:
-        """The ``RequestOutput`` after this step, or None when nothing is due."""
+    def make_output(self, progressed: Sequence[RequestState]) -> RequestOutput | None:
+        """The ``RequestOutput`` after this step, or None when nothing is due.
+        ``progressed``: the children that moved this step (one may appear twice)."""
         if self._final_sent:
             return None
         finished = self.finished
         kind = self.output_kind
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
-        if kind == RequestOutputKind.DELTA:
+        children = self.children
+        if kind != RequestOutputKind.DELTA:
+            completions = [self._cumulative(i) for i in range(self.n)]
+        elif self.n == 1:  # every entry of progressed is the one child
+            completions = [progressed[0].delta()] if progressed else []
+        else:
             unique = {s.index: s for s in progressed}
             completions = [unique[i].delta() for i in sorted(unique)]
-        else:
-            completions = [self._cumulative(i) for i in range(self.n)]
         self._final_sent = finished
-        children = self.children
-        cached = max((c.num_cached_tokens for c in children), default=0)
+        cached = max([c.num_cached_tokens for c in children], default=0)
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
             outputs=completions,
             finished=finished,
-            prompt_logprobs=self._prompt_logprobs(),
+            prompt_logprobs=self._prompt_logprobs(children),
             num_cached_tokens=cached,
             usage=RequestUsage(
                 prompt_tokens=len(self.prompt_token_ids),
@@ -332,9 +362,9 @@ class ParentRequest:
             return CompletionOutput(index=index, text="", token_ids=[])
         return child.cumulative()
 
-    def _prompt_logprobs(self) -> PromptLogprobs | None:
+    def _prompt_logprobs(self, children: list[RequestState]) -> PromptLogprobs | None:
         """The first child's prompt logprobs; DELTA sends them only once."""
-        for child in self.children:
+        for child in children:
             found = child.logprobs.prompt_logprobs
             if found is None:
                 continue
@@ -399,23 +429,47 @@ class OutputProcessor:
         for index, request in enumerate(processed.engine_requests):
             self.add_request(request, processed.prompt, processed.parent, index)
 
-    def process_outputs(self, outputs: Iterable[EngineCoreOutput]) -> ProcessedOutputs:
-        """Apply one engine step's outputs; one ``RequestOutput`` per user request due."""
+    def process_outputs(
+        self, outputs: Iterable[EngineCoreOutput], columns: TokenColumns | None = None
+    ) -> ProcessedOutputs:
+        """Apply one engine step's outputs (``columns``, then ``outputs``); one
+        ``RequestOutput`` per user request due."""
         result = ProcessedOutputs()
         progressed: dict[str, list[RequestState]] = {}
+        if columns is not None:
+            self._apply_columns(columns, result, progressed)
         for output in outputs:
             state = self._states.get(output.request_id)
             if state is None:
                 continue
             if state.update(output):
                 result.reqs_to_abort.append(state.request_id)
-            parent = self._parent_of[state.request_id]
-            progressed.setdefault(parent.request_id, []).append(state)
-            if state.finished:
-                self._forget(state.request_id)
+            self._progressed(state, progressed)
         for user_id, states in progressed.items():
             self._emit(self._parents[user_id], states, result)
         return result
+
+    def _apply_columns(
+        self, columns: TokenColumns, result: ProcessedOutputs, progressed: dict[str, list[RequestState]]
+    ) -> None:
+        """The column outputs, read entry by entry from the lists: no object per request."""
+        states = self._states
+        token_lists = columns.token_lists() if columns.num_new_tokens is not None else None
+        cached = columns.num_cached_tokens or repeat(0)
+        for i, (request_id, num_cached) in enumerate(zip(columns.request_ids, cached)):
+            state = states.get(request_id)
+            if state is None:
+                continue
+            new_ids = token_lists[i] if token_lists is not None else columns.new_token_ids[i : i + 1]
+            if state.add_tokens(new_ids, num_cached):
+                result.reqs_to_abort.append(request_id)
+            self._progressed(state, progressed)
+
+    def _progressed(self, state: RequestState, progressed: dict[str, list[RequestState]]) -> None:
+        parent = self._parent_of[state.request_id]
+        progressed.setdefault(parent.request_id, []).append(state)
+        if state.finished:
+            self._forget(state.request_id)
 
     def abort_requests(self, user_request_ids: Iterable[str]) -> ProcessedOutputs:
         """Abort user requests: the final outputs (finish reason "abort") and the

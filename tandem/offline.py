@@ -45,7 +45,7 @@ def run_cli(args: argparse.Namespace) -> int:
         outputs[str(i)] = []
     start = time.perf_counter()
     while core.has_unfinished_requests():
-        for out in core.step().outputs:
+        for out in core.step().all_outputs():
             outputs[out.request_id].extend(out.new_token_ids)
     elapsed = time.perf_counter() - start
     for i, prompt in enumerate(prompts):

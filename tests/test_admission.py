@@ -190,7 +190,7 @@ def _engine_run(address: str, first: EngineCoreRequest, then: EngineCoreRequest 
         call = engine_pb2_grpc.EngineCoreStub(channel).Stream(inputs(), timeout=CALL_TIMEOUT)
         try:
             for msg in call:
-                for out in convert.engine_core_outputs_from_proto(msg).outputs:
+                for out in convert.engine_core_outputs_from_proto(msg).all_outputs():
                     run.tokens[out.request_id] += len(out.new_token_ids)
                     if out.new_token_ids:
                         first_token.set()

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -135,3 +136,15 @@ def test_tensor_parallel_benchmark_smoke(tmp_path: Path) -> None:
     assert "gloo all-reduce, 2 ranks" in proc.stdout
     assert "Llama-3.1-70B" in proc.stdout
     assert "greedy tokens TP=1 vs TP=2: same" in proc.stdout
+
+
+def test_grpc_hop_parts_run_and_agree(tokenizer: Any) -> None:
+    # In-process, tiny: the serialization part checks that each side reads back what
+    # was sent; the frontend-step part that every request got its RequestOutput.
+    from benchmarks import grpc_hop
+
+    ser = grpc_hop.bench_serialization(8, repeats=3)
+    assert ser["protobuf_us"] > 0 and ser["msgspec_us"] > 0 and ser["protobuf_objects_us"] > 0
+    assert ser["protobuf_bytes"] > 8
+    front = grpc_hop.bench_frontend_step(tokenizer, 8, repeats=3)
+    assert front["columns_us"] > 0 and front["objects_us"] > 0

@@ -38,7 +38,7 @@ def _run(core: EngineCore, requests: list[EngineCoreRequest]) -> dict[str, list[
     for req in requests:
         core.add_request(req)
     while core.has_unfinished_requests():
-        for out in core.step().outputs:
+        for out in core.step().all_outputs():
             tokens[out.request_id].extend(out.new_token_ids)
     core.kv_manager.pool.check_all_free()
     return tokens
@@ -91,7 +91,7 @@ def test_preempted_and_recomputed_request_keeps_its_tokens(tiny_llama_dir: str) 
     while small.has_unfinished_requests():
         outs = small.step()
         preemptions += outs.scheduler_stats.num_preemptions
-        for out in outs.outputs:
+        for out in outs.all_outputs():
             tokens[out.request_id].extend(out.new_token_ids)
     assert preemptions > 0, "the set-up must preempt"
     assert tokens["me"] == alone

@@ -22,6 +22,7 @@ from tandem.protocol.outputs import (
     Logprobs,
     RequestError,
     SchedulerStats,
+    TokenColumns,
     UtilityOutput,
 )
 from tandem.protocol.sampling_params import InvalidRequestError, RequestOutputKind, SamplingParams
@@ -335,10 +336,12 @@ def round_trip(outs: EngineCoreOutputs) -> EngineCoreOutputs:
 
 
 def assert_same_step(back: EngineCoreOutputs, outs: EngineCoreOutputs) -> None:
-    """Equal, except that the order of the outputs does not matter (the wire keeps
-    column outputs and detailed ones apart)."""
-    assert sorted(back.outputs, key=repr) == sorted(outs.outputs, key=repr)
-    assert replace(back, outputs=[]) == replace(outs, outputs=[])
+    """Equal, except that the order of the outputs does not matter and plain outputs
+    may move from ``outputs`` into the columns (the wire keeps column outputs and
+    detailed ones apart)."""
+    assert sorted(back.all_outputs(), key=repr) == sorted(outs.all_outputs(), key=repr)
+    assert replace(back, outputs=[], token_columns=None) == replace(outs, outputs=[], token_columns=None)
+    assert all(not is_plain(o) for o in back.outputs)
 
 
 def is_plain(out: EngineCoreOutput) -> bool:
@@ -350,6 +353,7 @@ def is_plain(out: EngineCoreOutput) -> bool:
         and out.stop_reason is None
         and out.trace_headers is None
         and out.error is None
+        and out.pooling_output is None
     )
 
 
@@ -418,7 +422,9 @@ def test_decode_step_is_three_flat_columns() -> None:
     assert list(cols.request_ids) == [f"r{i}" for i in range(256)]
     assert list(cols.new_token_ids) == [1000 + i for i in range(256)]
     assert not cols.num_new_tokens and not cols.num_cached_tokens  # one token each, none cached
-    assert convert.engine_core_outputs_from_proto(msg).outputs == outputs
+    back = convert.engine_core_outputs_from_proto(msg)
+    assert back.outputs == [] and back.all_outputs() == outputs
+    assert back.token_columns == TokenColumns([f"r{i}" for i in range(256)], [1000 + i for i in range(256)])
 
 
 def test_details_keep_an_output_out_of_the_columns() -> None:
@@ -436,6 +442,43 @@ def test_details_keep_an_output_out_of_the_columns() -> None:
     assert list(msg.token_columns.request_ids) == ["plain"]
     assert list(msg.token_columns.num_new_tokens) == [0]
     assert_same_step(convert.engine_core_outputs_from_proto(msg), outs)
+
+
+def rand_columns(rng: random.Random, prefix: str) -> TokenColumns:
+    n = rng.randint(1, 30)
+    one_token, cached = rng.random() < 0.5, rng.random() < 0.5
+    outputs = [rand_plain_output(rng, f"{prefix}-{i}", one_token, cached) for i in range(n)]
+    return TokenColumns.from_outputs(outputs)
+
+
+def test_token_columns_are_their_outputs() -> None:
+    rng = random.Random(9)
+    for _ in range(ROUNDS):
+        one_token, cached = rng.random() < 0.5, rng.random() < 0.5
+        outputs = [rand_plain_output(rng, f"r{i}", one_token, cached) for i in range(rng.randint(1, 30))]
+        cols = TokenColumns.from_outputs(outputs)
+        assert cols.to_outputs() == outputs and len(cols) == len(outputs)
+        assert (cols.num_new_tokens is None) == all(len(o.new_token_ids) == 1 for o in outputs)
+        assert (cols.num_cached_tokens is None) == all(o.num_cached_tokens == 0 for o in outputs)
+        keep = [rng.random() < 0.5 for _ in outputs]
+        assert cols.select(keep).to_outputs() == [o for o, k in zip(outputs, keep) if k]
+        other = rand_columns(rng, "other")
+        assert cols.concat(other).to_outputs() == outputs + other.to_outputs()
+
+
+def test_domain_columns_round_trip_as_columns() -> None:
+    # What the engine builds (columns, plus plain outputs that ended up in outputs) reads
+    # back as one TokenColumns: the engine's columns first, then the moved outputs.
+    rng = random.Random(10)
+    for _ in range(ROUNDS):
+        outs = rand_mixed_outputs(rng)
+        outs.token_columns = rand_columns(rng, "col")
+        back = round_trip(outs)
+        assert_same_step(back, outs)
+        assert back.token_columns is not None
+        moved = [o for o in outs.outputs if is_plain(o)]
+        assert back.token_columns.to_outputs() == outs.token_columns.to_outputs() + moved
+        assert back.outputs == [o for o in outs.outputs if not is_plain(o)]
 
 
 def test_request_error_codes_on_the_wire() -> None:

@@ -30,7 +30,7 @@ def _prompt(core: EngineCore, n: int, rng: random.Random) -> list[int]:
 def _drain(core: EngineCore) -> dict[str, list]:
     outputs: dict[str, list] = {}
     while core.has_unfinished_requests():
-        for out in core.step().outputs:
+        for out in core.step().all_outputs():
             outputs.setdefault(out.request_id, []).append(out)
     return outputs
 
@@ -49,6 +49,32 @@ def test_seeded_sampling_is_independent_of_the_batch(core: EngineCore) -> None:
     in_batch = [t for o in _drain(core)["seeded"] for t in o.new_token_ids]
     assert in_batch == alone
     assert len(set(alone)) > 3  # really sampled, not a constant
+    core.kv_manager.pool.check_all_free()
+
+
+def test_plain_outputs_go_in_the_columns(core: EngineCore) -> None:
+    # Requests that only got a token travel as columns; anything with details (logprobs,
+    # a finish) as an EngineCoreOutput; each request in exactly one of the two.
+    rng = random.Random(7)
+    plain = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    core.add_request(EngineCoreRequest("p0", _prompt(core, 9, rng), plain))
+    core.add_request(EngineCoreRequest("p1", _prompt(core, 5, rng), plain))
+    core.add_request(EngineCoreRequest("lp", _prompt(core, 7, rng), SamplingParams(max_tokens=3, logprobs=1)))
+    steps = []
+    while core.has_unfinished_requests():
+        steps.append(core.step())
+    for step in steps:
+        ids = [o.request_id for o in step.all_outputs()]
+        assert len(ids) == len(set(ids)) == step.num_outputs
+        assert all(o.new_logprobs is not None or o.finished for o in step.outputs)
+    first, last = steps[0], steps[-1]
+    assert first.token_columns is not None and first.token_columns.request_ids == ["p0", "p1"]
+    assert first.token_columns.num_new_tokens is None  # one token each
+    assert [o.request_id for o in first.outputs] == ["lp"]
+    assert last.token_columns is None and {o.request_id for o in last.outputs} == {"p0", "p1", "lp"}
+    tokens = {rid: [t for s in steps for o in s.all_outputs() if o.request_id == rid for t in o.new_token_ids]
+              for rid in ("p0", "p1", "lp")}
+    assert all(len(t) == 3 for t in tokens.values())
     core.kv_manager.pool.check_all_free()
 
 
@@ -124,7 +150,7 @@ def test_abort_reports_and_frees(core: EngineCore) -> None:
     core.step()
     core.abort_requests(["a"])
     outs = core.step()
-    aborted = [o for o in outs.outputs if o.request_id == "a"]
+    aborted = [o for o in outs.all_outputs() if o.request_id == "a"]
     assert aborted and aborted[0].finish_reason == FinishReason.ABORT
     assert "a" in (outs.finished_requests or set())
     core.abort_requests(["b"])
@@ -158,7 +184,7 @@ def test_core_loop_thread_and_utilities(tiny_llama_dir: str) -> None:
     while len(tokens) < 5 or len(utility) < 2:
         item = loop.outputs.get(timeout=30)
         assert isinstance(item, EngineCoreOutputs)
-        tokens += [t for o in item.outputs for t in o.new_token_ids]
+        tokens += [t for o in item.all_outputs() for t in o.new_token_ids]
         if item.utility_output is not None:
             utility[item.utility_output.call_id] = item.utility_output
     assert len(tokens) == 5

@@ -55,7 +55,7 @@ def run_engine(
         while core.has_unfinished_requests():
             outs = core.step()
             preemptions += outs.scheduler_stats.num_preemptions
-            for o in outs.outputs:
+            for o in outs.all_outputs():
                 tokens[o.request_id].extend(o.new_token_ids)
                 cached[o.request_id] = o.num_cached_tokens
     core.kv_manager.pool.check_all_free()

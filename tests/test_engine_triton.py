@@ -40,7 +40,7 @@ CHILD = textwrap.dedent(
         core.add_request(EngineCoreRequest(str(i), p, params))
         got[str(i)] = []
     while core.has_unfinished_requests():
-        for o in core.step().outputs:
+        for o in core.step().all_outputs():
             got[o.request_id] += o.new_token_ids
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     want = []

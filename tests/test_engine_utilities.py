@@ -33,7 +33,7 @@ def _run(core: EngineCore, rid: str, prompt: list[int]) -> list[int]:
     core.add_request(EngineCoreRequest(rid, prompt, GREEDY))
     tokens: list[int] = []
     while core.has_unfinished_requests():
-        for out in core.step().outputs:
+        for out in core.step().all_outputs():
             tokens += out.new_token_ids
     return tokens
 

@@ -33,6 +33,7 @@ from tandem.protocol.outputs import (
     ErrorCode,
     FinishReason,
     RequestError,
+    TokenColumns,
 )
 from tandem.protocol.sampling_params import SamplingParams
 from tandem.signals import StopSignals
@@ -327,6 +328,30 @@ def test_a_draining_refusal_moves_once_per_engine_and_the_caller_never_sees_it(t
 
     error = asyncio.run(scenario())
     assert status_for(error) == (grpc.StatusCode.UNAVAILABLE, "engine 1 is draining")
+
+
+def test_column_outputs_of_a_moved_request_count_only_from_its_new_engine(tokenizer: Any) -> None:
+    async def scenario() -> list[int]:
+        group = _group()
+        a, b = group.engines
+        processor = InputProcessor(tokenizer, 512, len(tokenizer), 5, tokenizer.eos_token_id)
+        llm = AsyncLLM(tokenizer, group, processor)
+        stream = llm.generate(SamplingParams(max_tokens=4), prompt_token_ids=[5, 6, 7], request_id="r")
+        first = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0)
+        (rid,) = _sent_adds(a)
+        llm.on_engine_outputs(a, EngineCoreOutputs(outputs=[_unavailable(rid)], draining=True))
+        assert _sent_adds(b) == [rid]
+        # A step a sent before the abort reached it is stale; b's is the request's.
+        llm.on_engine_outputs(a, EngineCoreOutputs(token_columns=TokenColumns([rid, "other"], [11, 12])))
+        await asyncio.sleep(0)
+        assert not first.done()
+        llm.on_engine_outputs(b, EngineCoreOutputs(token_columns=TokenColumns([rid], [13])))
+        out = await first
+        await group.close()
+        return out.outputs[0].token_ids
+
+    assert asyncio.run(scenario()) == [13]
 
 
 # ---- AsyncLLM: engine statuses and the frontend's drain -----------------------------------------

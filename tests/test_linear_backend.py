@@ -96,7 +96,7 @@ def test_bf16_engine_runs_on_f_linear_without_the_isa(cpu_without_bf16: None, ti
         core.add_request(EngineCoreRequest(str(i), prompt, SamplingParams(max_tokens=6, ignore_eos=True)))
     tokens: dict[str, list[int]] = {}
     while core.has_unfinished_requests():
-        for out in core.step().outputs:
+        for out in core.step().all_outputs():
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
     assert sorted(tokens) == ["0", "1", "2"]
     assert all(len(t) == 6 and all(0 <= v < vocab for v in t) for t in tokens.values())

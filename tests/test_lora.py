@@ -47,7 +47,7 @@ def _run(
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
         core.add_request(EngineCoreRequest(rid, prompt, params, lora_request=lora))
     while core.has_unfinished_requests():
-        for o in core.step().outputs:
+        for o in core.step().all_outputs():
             tokens[o.request_id].extend(o.new_token_ids)
             cached[o.request_id] = o.num_cached_tokens
         if check_slots:

@@ -12,7 +12,7 @@ import pytest
 from frontend_service.input_processor import InputProcessor, ProcessedRequest
 from frontend_service.output_processor import OutputProcessor, ParentRequest
 from frontend_service.outputs import RequestOutput
-from tandem.protocol.outputs import EngineCoreOutput, FinishReason, Logprobs
+from tandem.protocol.outputs import EngineCoreOutput, FinishReason, Logprobs, TokenColumns
 from tandem.protocol.sampling_params import InvalidRequestError, RequestOutputKind, SamplingParams
 from tests.text_factories import (
     CJK,
@@ -385,3 +385,62 @@ def test_without_tokenizer_token_ids_flow_and_text_is_empty(rng: random.Random) 
     ((_, out),) = result.request_outputs
     assert out.outputs[0].text == "" and out.outputs[0].token_ids == ids
     assert all(lp.decoded_token is None for e in out.outputs[0].logprobs for lp in e.values())
+
+
+def _step_outputs(
+    rng: random.Random, seqs: dict[str, list[int]], cursors: dict[str, int]
+) -> list[EngineCoreOutput]:
+    """One engine step: a random subset of the unfinished engine requests gets 1-3 of
+    its tokens; the last step of each carries LENGTH, some carry a cached count."""
+    step = []
+    for rid in rng.sample(sorted(seqs), rng.randint(1, len(seqs))):
+        start = cursors[rid]
+        if start >= len(seqs[rid]):
+            continue
+        cursors[rid] = min(start + rng.choice([1, 1, 2, 3]), len(seqs[rid]))
+        done = cursors[rid] == len(seqs[rid])
+        step.append(
+            EngineCoreOutput(
+                rid,
+                seqs[rid][start : cursors[rid]],
+                finish_reason=FinishReason.LENGTH if done else None,
+                num_cached_tokens=rng.choice([0, 0, 16]),
+            )
+        )
+    return step
+
+
+def test_columns_give_the_same_outputs_as_objects(tokenizer: Any, rng: random.Random) -> None:
+    # The frontend reads a step's plain outputs straight from TokenColumns; the
+    # RequestOutputs and aborts must be those of the same outputs as objects.
+    for _ in range(5):
+        inputs = _inputs(tokenizer)
+        by_objects, by_columns = OutputProcessor(tokenizer), OutputProcessor(tokenizer)
+        seqs: dict[str, list[int]] = {}
+        for u in range(rng.randint(1, 6)):
+            params = SamplingParams(
+                n=rng.choice([1, 1, 2]),
+                output_kind=rng.choice([DELTA, CUMULATIVE, FINAL_ONLY]),
+                stop=["#"] if rng.random() < 0.5 else [],
+                logprobs=None if rng.random() < 0.7 else 1,
+            )
+            processed = inputs.process(f"u{u}", params, prompt="hi")
+            by_objects.add_processed(processed)
+            by_columns.add_processed(inputs.process(f"u{u}", params, prompt="hi"))
+            for request in processed.engine_requests:
+                text = random_text(rng, rng.randint(1, 12))
+                if params.stop:  # the stop string shows up mid-sequence
+                    text = text[: len(text) // 2] + "#" + text[len(text) // 2 :]
+                seqs[request.request_id] = split_ids(rng, tokenizer, text)
+        seqs["unknown"] = [7, 8]  # outputs for an id the frontend does not track are ignored
+        cursors = dict.fromkeys(seqs, 0)
+        while any(cursors[r] < len(s) for r, s in seqs.items()):
+            step = _step_outputs(rng, seqs, cursors)
+            plain = [o for o in step if o.finish_reason is None]
+            detailed = [o for o in step if o.finish_reason is not None]
+            want = by_objects.process_outputs(plain + detailed)
+            got = by_columns.process_outputs(detailed, TokenColumns.from_outputs(plain) if plain else None)
+            assert dict(got.request_outputs) == dict(want.request_outputs)
+            assert len(got.request_outputs) == len(want.request_outputs)
+            assert sorted(got.reqs_to_abort) == sorted(want.reqs_to_abort)
+        assert not by_columns.has_unfinished_requests()

@@ -65,7 +65,7 @@ def test_mixed_batch_and_prefix_cache(tiny_llama_dir: str) -> None:
         final: dict = {}
         tokens: dict = {}
         while core.has_unfinished_requests():
-            for o in core.step().outputs:
+            for o in core.step().all_outputs():
                 tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
                 if o.finished:
                     final[o.request_id] = (o, tokens[o.request_id])

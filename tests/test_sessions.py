@@ -25,7 +25,7 @@ def _drain(core: EngineCore, rid: str, scheduled: list[int]) -> tuple[list[int],
     while True:
         outs = core.step()
         scheduled.append(sum(o.num_new_tokens for o in core._last_sched.scheduled if o.request.request_id == rid))
-        for out in outs.outputs:
+        for out in outs.all_outputs():
             if out.request_id == rid:
                 tokens += out.new_token_ids
                 if out.finished:
@@ -63,7 +63,7 @@ def test_three_chunks_equal_one_request_each_and_compute_only_new_tokens(
         reference.add_request(EngineCoreRequest(f"ref{turn}", list(history), params))
         ref_tokens: list[int] = []
         while reference.has_unfinished_requests():
-            for out in reference.step().outputs:
+            for out in reference.step().all_outputs():
                 ref_tokens += out.new_token_ids
         assert tokens == ref_tokens, turn
         # Only the new chunk and the previous turn's last token were computed.

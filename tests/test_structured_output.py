@@ -248,7 +248,7 @@ def _run(core: EngineCore, requests: list[EngineCoreRequest]) -> tuple[dict, dic
         assert time.monotonic() < deadline, "engine did not finish"
         outs = core.step()
         preemptions += outs.scheduler_stats.num_preemptions
-        for o in outs.outputs:
+        for o in outs.all_outputs():
             tokens[o.request_id].extend(o.new_token_ids)
             if o.finish_reason is not None:
                 final[o.request_id] = o
@@ -375,7 +375,7 @@ def test_abort_while_compiling_leaves_nothing(tiny_llama_dir: str) -> None:
     core.add_request(EngineCoreRequest("gone", [5, 6, 7], params, eos_token_id=2))
     core.abort_requests(["gone"])
     outs = core.step()
-    assert [o.finish_reason for o in outs.outputs] == [FinishReason.ABORT]
+    assert [o.finish_reason for o in outs.all_outputs()] == [FinishReason.ABORT]
     assert core.structured.num_compiling == 0
     assert not core.has_unfinished_requests()
     core.kv_manager.pool.check_all_free()

@@ -118,7 +118,7 @@ def _run(core: EngineCore, prompts: list[list[int]], params: list[SamplingParams
         while core.has_unfinished_requests():
             outs = core.step()
             preemptions += outs.scheduler_stats.num_preemptions
-            for o in outs.outputs:
+            for o in outs.all_outputs():
                 entry = got[o.request_id]
                 entry[0] += o.new_token_ids
                 if o.new_logprobs is not None:
@@ -173,7 +173,7 @@ def _greedy_and_embedding(core: EngineCore, prompt: list[int], tag: str) -> tupl
     tokens: list[int] = []
     embedding: list[float] = []
     while core.has_unfinished_requests():
-        for o in core.step().outputs:
+        for o in core.step().all_outputs():
             tokens += o.new_token_ids
             embedding = o.pooling_output or embedding
     return tokens, embedding

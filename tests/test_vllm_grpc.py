@@ -84,7 +84,7 @@ def _tandem_v1_greedy(address: str, prompt: list[int], max_tokens: int) -> list[
         call = engine_pb2_grpc.EngineCoreStub(channel).Stream(inputs(), timeout=TIMEOUT)
         try:
             for msg in call:
-                for out in tandem_convert.engine_core_outputs_from_proto(msg).outputs:
+                for out in tandem_convert.engine_core_outputs_from_proto(msg).all_outputs():
                     if out.request_id == rid:
                         tokens += out.new_token_ids
                         if out.finish_reason:

@@ -84,7 +84,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             left = set(states)
             while left:
                 step = await self._next_step(client)
-                for out in step.outputs:
+                for out in step.all_outputs():
                     state = states.get(out.request_id)
                     if state is None or out.request_id not in left:
                         continue
@@ -114,7 +114,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             self.engine.add_request(client, engine_request)
             while True:
                 step = await self._next_step(client)
-                for out in step.outputs:
+                for out in step.all_outputs():
                     if out.request_id != engine_request.request_id or not out.finished:
                         continue
                     if out.finish_reason == FinishReason.ERROR:

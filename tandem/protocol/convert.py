@@ -17,8 +17,10 @@ Mapping rules, where the two sides differ:
 - Logprobs are float32 on the wire: values read back rounded to float32.
 - EngineCoreOutputs: outputs with nothing but new tokens and a cached-token count
   travel in ``token_columns`` (flat packed arrays), the others as EngineCoreOutput
-  messages; the reader returns the column ones first, so the order of a step's
-  outputs is kept within each group only.
+  messages. The domain side has the same split (``EngineCoreOutputs.token_columns``,
+  a ``TokenColumns`` of lists): the reader hands the columns on as columns, so a
+  plain decode step costs no object per request on either side; plain outputs found
+  in ``outputs`` are moved into the columns when sent.
 - Fields that only exist on the wire (EngineCoreRequest.data_parallel_rank,
   pooling_params, EngineCoreOutputs.engine_dead) have keyword arguments or raise;
   they have no domain twin.
@@ -30,7 +32,7 @@ wrong raise ``InvalidRequestError`` (gRPC INVALID_ARGUMENT).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from itertools import accumulate, chain, compress, repeat
+from itertools import chain, compress
 from operator import attrgetter, not_
 from typing import Any
 
@@ -44,6 +46,7 @@ from tandem.protocol.outputs import (
     Logprobs,
     RequestError,
     SchedulerStats,
+    TokenColumns,
     UtilityOutput,
 )
 from tandem.protocol.pooling_params import PoolingParams
@@ -578,15 +581,10 @@ def scheduler_stats_from_proto(msg: engine_pb2.SchedulerStats) -> SchedulerStats
 # trace_headers dict does not count as unset here; it goes the detailed way and
 # reads back as None, as it always did.
 _detail_fields = attrgetter(
-    "new_logprobs", "new_prompt_logprobs", "finish_reason", "stop_reason", "trace_headers", "error"
+    "new_logprobs", "new_prompt_logprobs", "finish_reason", "stop_reason", "trace_headers", "error",
+    "pooling_output",
 )
-_NO_DETAILS = (None,) * 6
-_request_ids = attrgetter("request_id")
-_new_token_ids = attrgetter("new_token_ids")
-_num_cached_tokens = attrgetter("num_cached_tokens")
-# Positional None for the EngineCoreOutput fields between new_token_ids and
-# num_cached_tokens (new_logprobs, new_prompt_logprobs, finish_reason, stop_reason).
-_NONE_ARGS = (repeat(None),) * 4
+_NO_DETAILS = (None,) * 7
 
 
 def _split_plain(
@@ -603,57 +601,57 @@ def _split_plain(
     return list(compress(outputs, mask)), list(compress(outputs, map(not_, mask)))
 
 
-def token_columns_to_proto(outputs: list[EngineCoreOutput]) -> engine_pb2.TokenColumns:
-    """Columns of outputs that carry only new tokens and a cached-token count (the
-    caller checks that). One-token-each and all-zero columns are sent empty."""
-    n = len(outputs)
-    tokens = list(map(_new_token_ids, outputs))
-    counts = list(map(len, tokens))
-    cached = list(map(_num_cached_tokens, outputs))
-    return engine_pb2.TokenColumns(
-        request_ids=list(map(_request_ids, outputs)),
-        num_new_tokens=None if counts.count(1) == n else counts,
-        new_token_ids=list(chain.from_iterable(tokens)),
-        num_cached_tokens=None if cached.count(0) == n else cached,
-    )
+def _token_columns_fields(cols: TokenColumns) -> dict[str, list[Any] | None]:
+    """TokenColumns' fields by name. Whole lists go to protobuf's C code; a None
+    column is sent empty. Passed as a dict to the enclosing message's constructor,
+    they are written in place (a TokenColumns message would be copied once more)."""
+    return {
+        "request_ids": cols.request_ids,
+        "num_new_tokens": cols.num_new_tokens,
+        "new_token_ids": cols.new_token_ids,
+        "num_cached_tokens": cols.num_cached_tokens,
+    }
 
 
-def token_columns_from_proto(msg: engine_pb2.TokenColumns) -> list[EngineCoreOutput]:
-    """Raises ConversionError when the columns' lengths disagree."""
-    request_ids = msg.request_ids
+def token_columns_to_proto(cols: TokenColumns) -> engine_pb2.TokenColumns:
+    return engine_pb2.TokenColumns(**_token_columns_fields(cols))
+
+
+def token_columns_from_proto(msg: engine_pb2.TokenColumns) -> TokenColumns:
+    """Raises ConversionError when the columns' lengths disagree. (Slicing a
+    repeated field makes its list in C, faster than ``list()``.)"""
+    request_ids = msg.request_ids[:]
     n = len(request_ids)
-    tokens = msg.new_token_ids
-    counts = msg.num_new_tokens
-    if not counts:
+    tokens = msg.new_token_ids[:]
+    counts: list[int] | None = msg.num_new_tokens[:] or None
+    if counts is None:
         if len(tokens) != n:
             raise ConversionError(f"TokenColumns: {n} requests but {len(tokens)} tokens")
-        new_token_ids = [[t] for t in tokens]
-    else:
-        tokens = list(tokens)
-        ends = list(accumulate(counts))
-        if len(ends) != n or ends[-1] != len(tokens):
-            raise ConversionError(
-                f"TokenColumns: {n} requests, {len(ends)} token counts summing to "
-                f"{ends[-1]}, {len(tokens)} tokens"
-            )
-        new_token_ids = list(map(tokens.__getitem__, map(slice, [0, *ends], ends)))
-    cached = msg.num_cached_tokens
-    if not cached:
-        return list(map(EngineCoreOutput, request_ids, new_token_ids))
-    if len(cached) != n:
+    elif len(counts) != n or sum(counts) != len(tokens):
+        raise ConversionError(
+            f"TokenColumns: {n} requests, {len(counts)} token counts summing to "
+            f"{sum(counts)}, {len(tokens)} tokens"
+        )
+    cached: list[int] | None = msg.num_cached_tokens[:] or None
+    if cached is not None and len(cached) != n:
         raise ConversionError(f"TokenColumns: {n} requests but {len(cached)} cached counts")
-    return list(map(EngineCoreOutput, request_ids, new_token_ids, *_NONE_ARGS, cached))
+    return TokenColumns(request_ids, tokens, counts, cached)
 
 
 def engine_core_outputs_to_proto(outs: EngineCoreOutputs) -> engine_pb2.EngineCoreOutputs:
-    """Outputs with only new tokens go into token_columns, the rest into outputs."""
+    """``token_columns`` and any output in ``outputs`` that carries only new tokens
+    go into token_columns, the rest into outputs."""
     stats = outs.scheduler_stats
     utility = outs.utility_output
+    columns = outs.token_columns
     plain, detailed = _split_plain(outs.outputs)
+    if plain:
+        extra = TokenColumns.from_outputs(plain)
+        columns = extra if columns is None else columns.concat(extra)
     return engine_pb2.EngineCoreOutputs(
         engine_index=outs.engine_index,
         outputs=[engine_core_output_to_proto(o) for o in detailed],
-        token_columns=token_columns_to_proto(plain) if plain else None,
+        token_columns=None if columns is None else _token_columns_fields(columns),
         scheduler_stats=None if stats is None else scheduler_stats_to_proto(stats),
         timestamp=outs.timestamp,
         utility_output=None if utility is None else utility_output_to_proto(utility),
@@ -663,17 +661,15 @@ def engine_core_outputs_to_proto(outs: EngineCoreOutputs) -> engine_pb2.EngineCo
 
 
 def engine_core_outputs_from_proto(msg: engine_pb2.EngineCoreOutputs) -> EngineCoreOutputs:
-    """Raises EngineDeadError if the message is the engine-dead signal. The outputs
-    are those of token_columns followed by the detailed ones."""
+    """Raises EngineDeadError if the message is the engine-dead signal. The column
+    outputs stay columns (no object per request); empty columns read as None."""
     has = msg.HasField
     if has("engine_dead"):
         raise EngineDeadError(msg.engine_index, msg.engine_dead.message)
-    outputs = token_columns_from_proto(msg.token_columns) if has("token_columns") else []
-    if msg.outputs:
-        outputs.extend(map(engine_core_output_from_proto, msg.outputs))
+    columns = token_columns_from_proto(msg.token_columns) if has("token_columns") else None
     return EngineCoreOutputs(
         engine_index=msg.engine_index,
-        outputs=outputs,
+        outputs=list(map(engine_core_output_from_proto, msg.outputs)),
         scheduler_stats=(
             scheduler_stats_from_proto(msg.scheduler_stats) if has("scheduler_stats") else None
         ),
@@ -683,6 +679,7 @@ def engine_core_outputs_from_proto(msg: engine_pb2.EngineCoreOutputs) -> EngineC
         ),
         finished_requests=set(msg.finished_requests) or None,
         draining=msg.draining,
+        token_columns=columns if columns else None,
     )
 
 

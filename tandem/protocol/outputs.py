@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from itertools import accumulate, chain, compress, repeat
+from operator import attrgetter
 from typing import Any
 
 from tandem.protocol.lora import LoRARequest
@@ -114,6 +116,108 @@ class EngineCoreOutput:
         return self.finish_reason is not None
 
 
+_request_id = attrgetter("request_id")
+_new_token_ids = attrgetter("new_token_ids")
+_num_cached_tokens = attrgetter("num_cached_tokens")
+# Positional None for the EngineCoreOutput fields between new_token_ids and
+# num_cached_tokens (new_logprobs, new_prompt_logprobs, finish_reason, stop_reason).
+_NONE_ARGS = (repeat(None),) * 4
+
+
+@dataclass
+class TokenColumns:
+    """The outputs of one step's requests that carry nothing but new tokens and a
+    cached-token count, as columns: entry i of each column belongs to request i.
+
+    A plain decode step is three lists, so the engine builds it, the wire carries it
+    and the frontend reads it without one object per request. Each entry means what
+    ``EngineCoreOutput(request_ids[i], <its tokens>, num_cached_tokens=...)`` means;
+    none of these requests finished in the step (a finished one carries a finish
+    reason and travels as an EngineCoreOutput).
+
+    Producers write None rather than an all-ones count column or an all-zero cached
+    column (``from_outputs`` and ``select`` do), so equal steps compare equal.
+    """
+
+    request_ids: list[str]
+    # The new tokens of all requests, concatenated in request order.
+    new_token_ids: list[int]
+    # Tokens per request; None: exactly one each (len(new_token_ids) == len(request_ids)).
+    num_new_tokens: list[int] | None = None
+    # EngineCoreOutput.num_cached_tokens per request; None: 0 for every request.
+    num_cached_tokens: list[int] | None = None
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def token_lists(self) -> list[list[int]]:
+        """The new tokens of each request, one list per request."""
+        tokens = self.new_token_ids
+        counts = self.num_new_tokens
+        if counts is None:
+            return [[t] for t in tokens]
+        ends = list(accumulate(counts))
+        return list(map(tokens.__getitem__, map(slice, [0, *ends[:-1]], ends)))
+
+    def cached_counts(self) -> list[int]:
+        """num_cached_tokens of each request."""
+        cached = self.num_cached_tokens
+        return [0] * len(self.request_ids) if cached is None else cached
+
+    def to_outputs(self) -> list[EngineCoreOutput]:
+        """One EngineCoreOutput per request (for readers that want objects)."""
+        ids, tokens = self.request_ids, self.token_lists()
+        if self.num_cached_tokens is None:
+            return list(map(EngineCoreOutput, ids, tokens))
+        return list(map(EngineCoreOutput, ids, tokens, *_NONE_ARGS, self.num_cached_tokens))
+
+    def select(self, keep: list[bool]) -> TokenColumns:
+        """The requests whose entry in ``keep`` is true, in order."""
+        counts = self.num_new_tokens
+        if counts is None:
+            tokens = list(compress(self.new_token_ids, keep))
+        else:
+            tokens = list(chain.from_iterable(compress(self.token_lists(), keep)))
+            counts = list(compress(counts, keep))
+        cached = self.num_cached_tokens
+        if cached is not None:
+            cached = list(compress(cached, keep))
+        return TokenColumns(
+            list(compress(self.request_ids, keep)),
+            tokens,
+            None if counts is None or counts.count(1) == len(counts) else counts,
+            cached if cached and any(cached) else None,
+        )
+
+    @classmethod
+    def from_outputs(cls, outputs: list[EngineCoreOutput]) -> TokenColumns:
+        """Columns of outputs the caller checked to carry only tokens and a cached count;
+        the one-token-each and all-zero columns become None."""
+        tokens = list(map(_new_token_ids, outputs))
+        counts = list(map(len, tokens))
+        cached = list(map(_num_cached_tokens, outputs))
+        return cls(
+            list(map(_request_id, outputs)),
+            list(chain.from_iterable(tokens)),
+            None if counts.count(1) == len(counts) else counts,
+            cached if any(cached) else None,
+        )
+
+    def concat(self, other: TokenColumns) -> TokenColumns:
+        """These requests followed by ``other``'s."""
+        def full(cols: TokenColumns) -> list[int]:
+            return [1] * len(cols) if cols.num_new_tokens is None else cols.num_new_tokens
+
+        one_each = self.num_new_tokens is None and other.num_new_tokens is None
+        no_cache = self.num_cached_tokens is None and other.num_cached_tokens is None
+        return TokenColumns(
+            self.request_ids + other.request_ids,
+            self.new_token_ids + other.new_token_ids,
+            None if one_each else full(self) + full(other),
+            None if no_cache else self.cached_counts() + other.cached_counts(),
+        )
+
+
 @dataclass
 class SchedulerStats:
     """The scheduler's state after one step; load balancing and metrics read it."""
@@ -152,7 +256,12 @@ class UtilityOutput:
 
 @dataclass
 class EngineCoreOutputs:
-    """Everything one engine step produced, for all requests of one client."""
+    """Everything one engine step produced, for all requests of one client.
+
+    Each request that produced something is in exactly one of ``token_columns`` (only
+    new tokens: the common decode step) and ``outputs`` (anything else); the engine
+    puts every plain one in the columns. ``all_outputs()`` gives both as objects.
+    """
 
     engine_index: int = 0
     outputs: list[EngineCoreOutput] = field(default_factory=list)
@@ -161,7 +270,19 @@ class EngineCoreOutputs:
     utility_output: UtilityOutput | None = None
     finished_requests: set[str] | None = None
     draining: bool = False  # the engine takes no new requests (graceful shutdown)
+    token_columns: TokenColumns | None = None  # the outputs with only new tokens; None: none
     iteration_stats: IterationStats | None = field(default=None, compare=False)  # engine-local
+
+    def all_outputs(self) -> list[EngineCoreOutput]:
+        """Every output as an object: the column ones first, then ``outputs``."""
+        if self.token_columns is None:
+            return list(self.outputs)
+        return self.token_columns.to_outputs() + self.outputs
+
+    @property
+    def num_outputs(self) -> int:
+        """Requests that produced something in this step (columns and outputs)."""
+        return len(self.outputs) + (0 if self.token_columns is None else len(self.token_columns))
 
     @classmethod
     def refusal(
