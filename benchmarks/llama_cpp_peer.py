@@ -62,11 +62,11 @@ def tandem_rates(core: EngineCore, batch: int, prompt_len: int, gen_len: int, se
     started: set[str] = set()
     start = time.perf_counter()
     while len(started) < batch:
-        started.update(o.request_id for o in core.step().outputs if o.new_token_ids)
+        started.update(o.request_id for o in core.step().all_outputs() if o.new_token_ids)
     prompt_done = time.perf_counter()
     steps = generated = 0
     while core.has_unfinished_requests():
-        generated += sum(len(o.new_token_ids) for o in core.step().outputs)
+        generated += sum(len(o.new_token_ids) for o in core.step().all_outputs())
         steps += 1
     end = time.perf_counter()
     gen_s = max(end - prompt_done, 1e-9)

@@ -92,7 +92,7 @@ def _greedy(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> dict
         core.add_request(EngineCoreRequest(str(i), prompt, params))
     tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     while core.has_unfinished_requests():
-        for out in core.step().outputs:
+        for out in core.step().all_outputs():
             tokens[out.request_id].extend(out.new_token_ids)
     return tokens
 
@@ -202,7 +202,7 @@ def test_native_decode_step_equals_the_layer_by_layer_forward(
         tokens: dict[str, list[int]] = {}
         logprobs: dict[str, list[float]] = {}
         while core.has_unfinished_requests():
-            for out in core.step().outputs:
+            for out in core.step().all_outputs():
                 tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
                 if out.new_logprobs is not None:
                     for row in out.new_logprobs.logprobs:
