@@ -54,6 +54,12 @@ inline void axpy(float p, const T* v, float* acc, int64_t d) {
   for (int64_t i = 0; i < d; ++i) acc[i] += p * static_cast<float>(v[i]);
 }
 
+// Ask for one cached row (all KV heads of a token), a cache line at a time.
+inline void prefetch_row(const void* row, int64_t bytes) {
+  const char* p = static_cast<const char*>(row);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+}
+
 // D: head_dim known at compile time (fully unrolled inner loops), or 0 for any.
 template <typename T, int64_t D>
 void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
@@ -82,63 +88,79 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
   T* o_ptr = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
 
-  // One work item = (decode sequence i, KV head h). Items are small at low batch (one
-  // sequence of 140 tokens: ~36K multiply-adds per item): the grain keeps a region's
-  // work above ~256K so that a batch of one runs on the calling thread instead of paying
-  // a pool wake-up and an uneven split per layer (measured at batch 1 on bench-135m:
-  // attention 1.46 ms/step on 2 threads vs 0.66 ms on 1).
+  // One work item = one decode sequence, all its KV heads: a cached block is read as
+  // whole contiguous rows (every KV head of a token together), in block-table order, with
+  // the next block prefetched (blocks sit anywhere in the cache, so the hardware
+  // prefetcher cannot find the next one). Items are split between threads by their
+  // context lengths, not their count, so that one long sequence does not leave a thread
+  // idle; a batch whose whole work is small (batch 1) stays on the calling thread.
+  std::vector<int64_t> work_end(b);  // prefix sums of context lengths
   int64_t total_len = 0;
-  for (int64_t i = 0; i < b; ++i) total_len += len_ptr[seq_ptr[i]];
-  const int64_t item_work = std::max<int64_t>(1, total_len / std::max<int64_t>(1, b)) * head_dim * (group + 1);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / item_work);
-  at::parallel_for(0, b * num_kv_heads, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * head_dim);   // [group, head_dim], pre-scaled
-    std::vector<float> acc(group * head_dim);  // [group, head_dim]
-    std::vector<float> scores;                 // [group, seq_len]
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t i = item / num_kv_heads, h = item % num_kv_heads;
+  for (int64_t i = 0; i < b; ++i) work_end[i] = (total_len += len_ptr[seq_ptr[i]]);
+  const int64_t per_token = head_dim * (num_heads + num_kv_heads);
+  const int64_t max_chunks = std::max<int64_t>(1, (total_len * per_token) >> 18);
+  const int64_t chunks = std::min<int64_t>({b, max_chunks, 4 * static_cast<int64_t>(at::get_num_threads())});
+  at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+    // Sequences whose work starts in [chunk_begin, chunk_end) / chunks of the total.
+    const int64_t lo = total_len * chunk_begin / chunks, hi = total_len * chunk_end / chunks;
+    int64_t first = std::upper_bound(work_end.begin(), work_end.end(), lo) - work_end.begin();
+    int64_t last = std::upper_bound(work_end.begin(), work_end.end(), hi) - work_end.begin();
+    if (chunk_begin == 0) first = 0;
+    if (chunk_end == chunks) last = b;
+    std::vector<float> q(num_heads * head_dim);    // [num_heads, head_dim], pre-scaled
+    std::vector<float> acc(num_heads * head_dim);  // [num_heads, head_dim]
+    std::vector<float> scores;                     // [num_heads, seq_len]
+    for (int64_t i = first; i < last; ++i) {
       const int64_t tok = tok_ptr[i], seq = seq_ptr[i];
       const int64_t len = len_ptr[seq];
       const int32_t* blocks = bt_ptr + seq * max_blocks;
-      for (int64_t g = 0; g < group; ++g) {
-        const T* src = q_ptr + tok * q_tok_stride + (h * group + g) * q_head_stride;
-        for (int64_t x = 0; x < head_dim; ++x) q[g * head_dim + x] = static_cast<float>(src[x]) * fscale;
+      const int64_t num_blocks_used = (len + block_size - 1) / block_size;
+      for (int64_t hq = 0; hq < num_heads; ++hq) {
+        const T* src = q_ptr + tok * q_tok_stride + hq * q_head_stride;
+        for (int64_t x = 0; x < head_dim; ++x) q[hq * head_dim + x] = static_cast<float>(src[x]) * fscale;
       }
-      scores.resize(group * len);
-      // Pass 1: scores[g, t] = q_g . k_t
+      scores.resize(num_heads * len);
+      // Pass 1: scores[hq, t] = q_hq . k_t[hq / group]
       for (int64_t start = 0, j = 0; start < len; start += block_size, ++j) {
-        const T* k = k_ptr + blocks[j] * block_stride + h * head_dim;
+        const T* k = k_ptr + blocks[j] * block_stride;
+        const T* next = j + 1 < num_blocks_used ? k_ptr + blocks[j + 1] * block_stride : nullptr;
         const int64_t rows = std::min(block_size, len - start);
         for (int64_t r = 0; r < rows; ++r, k += row_stride) {
-          for (int64_t g = 0; g < group; ++g) scores[g * len + start + r] = dot<D>(q.data() + g * head_dim, k, head_dim);
+          if (next) prefetch_row(next + r * row_stride, row_stride * static_cast<int64_t>(sizeof(T)));
+          for (int64_t hq = 0; hq < num_heads; ++hq)
+            scores[hq * len + start + r] = dot<D>(q.data() + hq * head_dim, k + (hq / group) * head_dim, head_dim);
         }
       }
       // Softmax per query head, in float32.
-      for (int64_t g = 0; g < group; ++g) {
-        float* s = scores.data() + g * len;
-        float m = s[0];  // len >= 1: the new token itself
-        for (int64_t t = 1; t < len; ++t) m = std::max(m, s[t]);
+      for (int64_t hq = 0; hq < num_heads; ++hq) {
+        float* sc = scores.data() + hq * len;
+        float m = sc[0];  // len >= 1: the new token itself
+        for (int64_t t = 1; t < len; ++t) m = std::max(m, sc[t]);
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < len; ++t) {
-          s[t] = std::exp(s[t] - m);
-          sum += s[t];
+          sc[t] = std::exp(sc[t] - m);
+          sum += sc[t];
         }
         const float inv = 1.f / sum;
-        for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+#pragma omp simd
+        for (int64_t t = 0; t < len; ++t) sc[t] *= inv;
       }
-      // Pass 2: acc[g] = sum_t p[g, t] * v_t
+      // Pass 2: acc[hq] = sum_t p[hq, t] * v_t[hq / group]
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t start = 0, j = 0; start < len; start += block_size, ++j) {
-        const T* v = v_ptr + blocks[j] * block_stride + h * head_dim;
+        const T* v = v_ptr + blocks[j] * block_stride;
+        const T* next = j + 1 < num_blocks_used ? v_ptr + blocks[j + 1] * block_stride : nullptr;
         const int64_t rows = std::min(block_size, len - start);
         for (int64_t r = 0; r < rows; ++r, v += row_stride) {
-          for (int64_t g = 0; g < group; ++g) axpy<D>(scores[g * len + start + r], v, acc.data() + g * head_dim, head_dim);
+          if (next) prefetch_row(next + r * row_stride, row_stride * static_cast<int64_t>(sizeof(T)));
+          for (int64_t hq = 0; hq < num_heads; ++hq)
+            axpy<D>(scores[hq * len + start + r], v + (hq / group) * head_dim, acc.data() + hq * head_dim, head_dim);
         }
       }
-      for (int64_t g = 0; g < group; ++g) {
-        T* dst = o_ptr + tok * o_tok_stride + (h * group + g) * o_head_stride;
-        for (int64_t x = 0; x < head_dim; ++x) dst[x] = static_cast<T>(acc[g * head_dim + x]);
+      for (int64_t hq = 0; hq < num_heads; ++hq) {
+        T* dst = o_ptr + tok * o_tok_stride + hq * o_head_stride;
+        for (int64_t x = 0; x < head_dim; ++x) dst[x] = static_cast<T>(acc[hq * head_dim + x]);
       }
     }
   });
