@@ -6,7 +6,8 @@ sequence's blocks into a padded copy first, once per layer per step. RMSNorm (wi
 residual add), rotary embedding and the cache write are single-pass native loops: the
 reference spends 5-20 small ops on each, per layer, and at decode batch sizes their
 dispatch cost is most of their time. ``argmax`` is the sampler's greedy pick (torch's
-CPU argmax is not vectorized). Prefill attention is the reference (SDPA's flash kernel).
+CPU argmax is not vectorized). Prefill attention (float32, 16-token blocks) is a native
+flash-style loop over the paged cache in place; other dtypes take the reference (SDPA).
 Inputs outside a native kernel's layout or dtype contract take the reference.
 
 The C++ source is compiled on first use with ``torch.utils.cpp_extension`` (about half
@@ -51,7 +52,8 @@ logger = logging.getLogger(__name__)
 
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _SOURCES = [
-    os.path.join(_CSRC, name) for name in ("paged_attention_cpu.cpp", "panel_linear_cpu.cpp", "decode_layers_cpu.cpp")
+    os.path.join(_CSRC, name)
+    for name in ("paged_attention_cpu.cpp", "prefill_attention_cpu.cpp", "panel_linear_cpu.cpp", "decode_layers_cpu.cpp")
 ]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 # How long a process waits for another's build of the same extension before giving up
@@ -163,7 +165,13 @@ def paged_attention(
     plan = plan_attention(
         query_start_loc, seq_lens, block_tables, key_cache.shape[1], query.device, workspace, False
     )
-    prefill_attention(query, key_cache, value_cache, plan, scale, out)
+    if plan.prefill_seqs is not None:
+        if query.dtype == torch.float32 and key_cache.dtype == torch.float32 and key_cache.shape[1] == 16:
+            torch.ops.tandem_cpu.prefill_attention(
+                query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, plan.prefill_seqs, scale, out
+            )
+        else:
+            prefill_attention(query, key_cache, value_cache, plan, scale, out)
     if plan.decode is not None:
         torch.ops.tandem_cpu.paged_attention_decode(
             query,

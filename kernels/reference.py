@@ -80,6 +80,7 @@ class AttentionPlan:
     # None when the chunk is the whole sequence and plain causal attention applies)
     prefills: list[tuple[int, int, int, torch.Tensor, torch.Tensor | None]]
     decode: DecodePlan | None
+    prefill_seqs: torch.Tensor | None = None  # [P] int64: the sequences of ``prefills``
 
 
 def plan_attention(
@@ -116,6 +117,7 @@ def _build_plan(
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     prefills = []
+    prefill_seqs: list[int] = []
     decode_seqs: list[int] = []
     for s, seq_len in enumerate(lens):
         q_start, q_end = starts[s], starts[s + 1]
@@ -130,8 +132,10 @@ def _build_plan(
                 q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
                 mask = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
             prefills.append((q_start, q_end, seq_len, blocks, mask))
+            prefill_seqs.append(s)
+    seqs = torch.tensor(prefill_seqs, dtype=torch.int64, device=device) if prefill_seqs else None
     if not decode_seqs:
-        return AttentionPlan(prefills, None)
+        return AttentionPlan(prefills, None, seqs)
     seq_idx = torch.tensor(decode_seqs, device=device)
     decode = DecodePlan(
         tokens=torch.tensor([starts[s] for s in decode_seqs], device=device), seqs=seq_idx
@@ -143,7 +147,7 @@ def _build_plan(
         decode.valid = torch.arange(decode.padded, device=device)[None, :] < ctx[:, None]
         decode.blocks = block_tables[seq_idx, :max_blocks].long().flatten()
         decode.pad_rows = (~decode.valid).flatten().nonzero().squeeze(1)
-    return AttentionPlan(prefills, decode)
+    return AttentionPlan(prefills, decode, seqs)
 
 
 def paged_attention(

@@ -45,6 +45,27 @@ def test_decode_attention_matches_reference(
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol, msg=f"seed={seed}")
 
 
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 32)])
+def test_native_prefill_attention_matches_reference_on_long_chunks(
+    num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    """The native prefill kernel (float32, 16-token blocks): chunks longer than its
+    32-token query blocks, whole prompts and later chunks of a prompt, NaN outside every
+    context."""
+    seed = _fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    num_seqs = int(torch.randint(2, 6, (), generator=gen))
+    query_lens = torch.randint(2, 150, (num_seqs,), generator=gen).tolist()
+    prefix_lens = [0 if torch.rand((), generator=gen) < 0.5 else int(torch.randint(1, 200, (), generator=gen))
+                   for _ in range(num_seqs)]
+    batch = _paged_batch(gen, torch.float32, num_heads, num_kv_heads, head_dim, 16, query_lens, prefix_lens)
+    scale = head_dim**-0.5
+    expected = _reference_attention_per_seq(batch, scale)
+    out = cpu_ops.paged_attention(**batch, scale=scale, workspace={})
+    assert not out.isnan().any(), f"seed={seed}"
+    torch.testing.assert_close(out, expected.float(), atol=1e-4, rtol=1e-4, msg=f"seed={seed}")
+
+
 def test_decode_attention_writes_only_decode_rows_of_a_strided_out() -> None:
     """``out`` may be a view with padded rows (the model's shared scratch is not): the
     kernel honours its strides and leaves everything else alone."""
