@@ -39,6 +39,7 @@ namespace {
 constexpr int64_t kLanes = 16;     // columns per panel
 constexpr int64_t kMaxRows = 8;    // rows of x per register block
 constexpr int64_t kTilePanels = 2; // panels per tile
+constexpr int64_t kFloatPrefetchBytes = 2048;  // how far ahead a small batch asks for weights
 
 #if defined(__AVX512F__)
 
@@ -70,7 +71,13 @@ inline void block_kernel(const float* x, int64_t ldx, const W* panel, int64_t k_
   for (; k + U <= k_size; k += U) {
     for (int u = 0; u < U; ++u) {
       __m512 w[T];
-      for (int t = 0; t < T; ++t) w[t] = load_panel_row<W>(panel + t * panel_stride + (k + u) * kLanes);
+      for (int t = 0; t < T; ++t) {
+        const W* row = panel + t * panel_stride + (k + u) * kLanes;
+        // A small batch streams the weights from memory once: ask ahead, a line at a time.
+        if (R <= 2 && (((k + u) * kLanes * static_cast<int64_t>(sizeof(W))) & 63) == 0)
+          _mm_prefetch(reinterpret_cast<const char*>(row) + kFloatPrefetchBytes, _MM_HINT_T0);
+        w[t] = load_panel_row<W>(row);
+      }
       for (int r = 0; r < R; ++r) {
         const __m512 xv = _mm512_set1_ps(x[r * ldx + k + u]);
         for (int t = 0; t < T; ++t) acc[u][r][t] = _mm512_fmadd_ps(xv, w[t], acc[u][r][t]);
