@@ -142,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the engine's)")
     p.add_argument("--quantization", default="none", help="the engine's --quantization (default none)")
     p.add_argument("--linear-backend", default="auto", help="the engine's --linear-backend (default auto)")
+    p.add_argument("--native-decode", action=argparse.BooleanOptionalAction, default=True,
+                   help="the engine's --native-decode (default on; off: the per-op buckets of the Python "
+                   "layer loop, on: the layers are one op, 'other ops')")
     args = p.parse_args(argv)
     model = args.model
     if not model:
@@ -152,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     core = EngineCore(EngineConfig(
         model=model, max_model_len=max(1024, args.prompt_len + 2 * args.steps + 32), max_num_seqs=max(sizes),
         num_threads=args.threads, max_num_batched_tokens=max(2048, args.prompt_len * 4),
-        quantization=args.quantization, linear_backend=args.linear_backend,
+        quantization=args.quantization, linear_backend=args.linear_backend, native_decode=args.native_decode,
     ))
     limits = measure_machine()
     roof = Roofline.for_model(model, limits, bytes_per_param=1 if args.quantization == "int8" else 4)

@@ -74,7 +74,7 @@ inline void block_kernel(const float* x, int64_t ldx, const W* panel, int64_t k_
       for (int t = 0; t < T; ++t) {
         const W* row = panel + t * panel_stride + (k + u) * kLanes;
         // A small batch streams the weights from memory once: ask ahead, a line at a time.
-        if (R <= 2 && (((k + u) * kLanes * static_cast<int64_t>(sizeof(W))) & 63) == 0)
+        if ((((k + u) * kLanes * static_cast<int64_t>(sizeof(W))) & 63) == 0)
           _mm_prefetch(reinterpret_cast<const char*>(row) + kFloatPrefetchBytes, _MM_HINT_T0);
         w[t] = load_panel_row<W>(row);
       }
