@@ -93,6 +93,44 @@ def llama_rates(binary: str, gguf: str, batch: int, prompt_len: int, gen_len: in
     raise RuntimeError(f"no result row in llama-batched-bench output:\n{out}")
 
 
+def int8_accuracy(model: str, threads: int, num_prompts: int, prompt_len: int, gen_len: int) -> str:
+    """int8 against float32 on the same prompts: the logit error of every prompt's first
+    generated position (relative to the float32 logits' standard deviation) and greedy
+    agreement (identical greedy tokens, and positions before the first difference)."""
+    rng = random.Random(1234)
+    runs = {}
+    for quant in ("none", "int8"):
+        core = EngineCore(EngineConfig(model=model, quantization=quant, num_threads=threads, max_num_seqs=num_prompts,
+                                       max_model_len=prompt_len + gen_len + 16))
+        vocab = core.model_config.vocab_size
+        rng.seed(1234)
+        prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(num_prompts)]
+        params = SamplingParams(max_tokens=gen_len, ignore_eos=True, temperature=0.0, logprobs=20)
+        for i, prompt in enumerate(prompts):
+            core.add_request(EngineCoreRequest(f"acc-{i}", prompt, params))
+        tokens: dict[str, list[int]] = {}
+        first: dict[str, dict[int, float]] = {}
+        while core.has_unfinished_requests():
+            for out in core.step().all_outputs():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.new_logprobs is not None and out.request_id not in first:
+                    row_ids, row_lps = out.new_logprobs.token_ids[0], out.new_logprobs.logprobs[0]
+                    first[out.request_id] = dict(zip(row_ids[1:], row_lps[1:], strict=True))
+        runs[quant] = (tokens, first)
+        del core
+    (t32, f32), (t8, f8) = runs["none"], runs["int8"]
+    same = sum(t32[r] == t8[r] for r in t32)
+    prefix = [next((i for i, (a, b) in enumerate(zip(t32[r], t8[r], strict=True)) if a != b), gen_len) for r in t32]
+    errs = [abs(f32[r][tok] - f8[r][tok]) for r in f32 for tok in f32[r] if tok in f8[r]]
+    first_same = sum(t32[r][0] == t8[r][0] for r in t32)
+    margins = sorted(sorted(f32[r].values())[-1] - sorted(f32[r].values())[-2] for r in f32)
+    return (f"int8 vs float32, {num_prompts} random prompts x {gen_len} greedy tokens: first token equal "
+            f"{first_same}/{num_prompts}, identical sequences {same}/{num_prompts}, tokens before the first "
+            f"difference mean {sum(prefix) / len(prefix):.1f} of {gen_len} (min {min(prefix)}); top-20 logprob "
+            f"error at the first position: mean {sum(errs) / len(errs):.4f}, max {max(errs):.4f} nats; float32's "
+            f"top-1 minus top-2 logprob there: median {margins[len(margins) // 2]:.4f} nats")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="", help="checkpoint directory; default: a tiny model made here")
@@ -105,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2, help="threads for both sides (default 2)")
     p.add_argument("--repeats", type=int, default=2, help="runs per cell; the best is kept (default 2)")
     p.add_argument("--configs", default="fp32,int8", help="Tandem configurations (default fp32,int8)")
+    p.add_argument("--accuracy-prompts", type=int, default=16,
+                   help="prompts of the int8 vs float32 accuracy check (default 16; 0: skip)")
     args = p.parse_args(argv)
     model = args.model
     if not model:
@@ -144,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             print(format_table(["", "batch", "prompt tok/s", "gen tok/s", "job tok/s", "ms/step",
                                 "Tandem gen / peer"], rows[-2 if "peer" in best else -1:]), flush=True)
         del core
+    if args.accuracy_prompts and "int8" in args.configs.split(","):
+        print(int8_accuracy(model, args.threads, args.accuracy_prompts, args.prompt_len, args.gen_len))
     print(f"\nprompt {args.prompt_len}, generated {args.gen_len}, threads {args.threads}, best of "
           f"{args.repeats}; load after: {load_average()}")
     print(format_table(["", "batch", "prompt tok/s", "gen tok/s", "job tok/s", "ms/step", "Tandem gen / peer"],
