@@ -305,16 +305,25 @@ def test_pick_skips_draining_engines_and_fails_when_all_drain() -> None:
     asyncio.run(scenario())
 
 
+async def _one_request_on_the_first_of_two(
+    tokenizer: Any,
+) -> tuple[EngineGroup, EngineConnection, EngineConnection, AsyncLLM, asyncio.Future, str]:
+    """Two engines, an AsyncLLM over them and one request sent to the first; the future
+    is the stream's first output."""
+    group = _group()
+    a, b = group.engines
+    processor = InputProcessor(tokenizer, 512, len(tokenizer), 5, tokenizer.eos_token_id)
+    llm = AsyncLLM(tokenizer, group, processor)
+    stream = llm.generate(SamplingParams(max_tokens=4), prompt_token_ids=[5, 6, 7], request_id="r")
+    first = asyncio.ensure_future(stream.__anext__())
+    await asyncio.sleep(0)
+    (rid,) = _sent_adds(a)
+    return group, a, b, llm, first, rid
+
+
 def test_a_draining_refusal_moves_once_per_engine_and_the_caller_never_sees_it(tokenizer: Any) -> None:
     async def scenario() -> BaseException:
-        group = _group()
-        a, b = group.engines
-        processor = InputProcessor(tokenizer, 512, len(tokenizer), 5, tokenizer.eos_token_id)
-        llm = AsyncLLM(tokenizer, group, processor)
-        stream = llm.generate(SamplingParams(max_tokens=4), prompt_token_ids=[5, 6, 7], request_id="r")
-        first = asyncio.ensure_future(stream.__anext__())
-        await asyncio.sleep(0)
-        (rid,) = _sent_adds(a)
+        group, a, b, llm, first, rid = await _one_request_on_the_first_of_two(tokenizer)
         # a started draining while the add was on the wire: it refuses, b gets the request.
         llm.on_engine_outputs(a, EngineCoreOutputs(outputs=[_unavailable(rid)], draining=True))
         assert _sent_adds(b) == [rid] and not first.done()
@@ -332,14 +341,7 @@ def test_a_draining_refusal_moves_once_per_engine_and_the_caller_never_sees_it(t
 
 def test_column_outputs_of_a_moved_request_count_only_from_its_new_engine(tokenizer: Any) -> None:
     async def scenario() -> list[int]:
-        group = _group()
-        a, b = group.engines
-        processor = InputProcessor(tokenizer, 512, len(tokenizer), 5, tokenizer.eos_token_id)
-        llm = AsyncLLM(tokenizer, group, processor)
-        stream = llm.generate(SamplingParams(max_tokens=4), prompt_token_ids=[5, 6, 7], request_id="r")
-        first = asyncio.ensure_future(stream.__anext__())
-        await asyncio.sleep(0)
-        (rid,) = _sent_adds(a)
+        group, a, b, llm, first, rid = await _one_request_on_the_first_of_two(tokenizer)
         llm.on_engine_outputs(a, EngineCoreOutputs(outputs=[_unavailable(rid)], draining=True))
         assert _sent_adds(b) == [rid]
         # A step a sent before the abort reached it is stale; b's is the request's.
