@@ -41,6 +41,21 @@ constexpr int64_t kMaxRows = 8;    // rows of x per register block
 constexpr int64_t kTilePanels = 2; // panels per tile
 constexpr int64_t kFloatPrefetchBytes = 2048;  // how far ahead a small batch asks for weights
 
+// A byte range to pull into cache while a pass computes: spread over the pass's k loop,
+// one line per call of `step` at most (a batch of more than 8 rows reads a tile once from
+// memory, then computes on it from cache; fetching the next tile meanwhile overlaps the
+// two).
+struct Prefetch {
+  const char* begin = nullptr;
+  int64_t bytes = 0;
+  int64_t issued = 0;  // lines asked for so far
+  inline void step(int64_t k, int64_t k_size) {
+    if (begin == nullptr) return;
+    const int64_t want = (k + 1) * (bytes / 64) / k_size;
+    for (; issued < want; ++issued) __builtin_prefetch(begin + issued * 64);
+  }
+};
+
 #if defined(__AVX512F__)
 
 template <typename W>
@@ -60,7 +75,7 @@ inline __m512 load_panel_row<int8_t>(const int8_t* p) {
 // rows, U interleaved accumulator sets (k mod U) hide the fused multiply-add latency.
 template <typename W, int R, int T>
 inline void block_kernel(const float* x, int64_t ldx, const W* panel, int64_t k_size, const float* scale,
-                         const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n) {
+                         const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n, Prefetch pf) {
   constexpr int U = R * T >= 8 ? 1 : (R * T >= 4 ? 2 : 4);
   __m512 acc[U][R][T];
   for (int u = 0; u < U; ++u)
@@ -69,6 +84,7 @@ inline void block_kernel(const float* x, int64_t ldx, const W* panel, int64_t k_
   const int64_t panel_stride = k_size * kLanes;
   int64_t k = 0;
   for (; k + U <= k_size; k += U) {
+    pf.step(k, k_size);
     for (int u = 0; u < U; ++u) {
       __m512 w[T];
       for (int t = 0; t < T; ++t) {
@@ -109,10 +125,11 @@ inline void block_kernel(const float* x, int64_t ldx, const W* panel, int64_t k_
 
 template <typename W, int R, int T>
 inline void block_kernel(const float* x, int64_t ldx, const W* panel, int64_t k_size, const float* scale,
-                         const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n) {
+                         const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n, Prefetch pf) {
   float acc[R][T][kLanes] = {};
   const int64_t panel_stride = k_size * kLanes;
   for (int64_t k = 0; k < k_size; ++k) {
+    pf.step(k, k_size);
     for (int r = 0; r < R; ++r) {
       const float xv = x[r * ldx + k];
       for (int t = 0; t < T; ++t) {
@@ -135,23 +152,37 @@ inline void block_kernel(const float* x, int64_t ldx, const W* panel, int64_t k_
 
 #endif
 
+// `next`: the tile this thread computes after this one (nullptr: none), fetched in equal
+// parts during this tile's passes when there is more than one.
 template <typename W, int T>
 void rows_kernel(int64_t rows, const float* x, int64_t ldx, const W* panel, int64_t k_size, const float* scale,
-                 const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n) {
-  int64_t r = 0;
-  for (; r + kMaxRows <= rows; r += kMaxRows)
-    block_kernel<W, kMaxRows, T>(x + r * ldx, ldx, panel, k_size, scale, bias, out + r * ldo, ldo, n0, n);
+                 const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n, const W* next) {
+  const int64_t passes = (rows + kMaxRows - 1) / kMaxRows;
+  const int64_t next_bytes = kTilePanels * k_size * kLanes * static_cast<int64_t>(sizeof(W));
+  auto prefetch = [&](int64_t pass) {
+    Prefetch pf;
+    if (next != nullptr && passes > 1) {
+      pf.begin = reinterpret_cast<const char*>(next) + pass * next_bytes / passes;
+      pf.bytes = (pass + 1) * next_bytes / passes - pass * next_bytes / passes;
+    }
+    return pf;
+  };
+  int64_t r = 0, pass = 0;
+  for (; r + kMaxRows <= rows; r += kMaxRows, ++pass)
+    block_kernel<W, kMaxRows, T>(x + r * ldx, ldx, panel, k_size, scale, bias, out + r * ldo, ldo, n0, n,
+                                 prefetch(pass));
   const float* xr = x + r * ldx;
   float* outr = out + r * ldo;
+  const Prefetch pf = prefetch(pass);
   switch (rows - r) {
     case 0: break;
-    case 1: block_kernel<W, 1, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n); break;
-    case 2: block_kernel<W, 2, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n); break;
-    case 3: block_kernel<W, 3, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n); break;
-    case 4: block_kernel<W, 4, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n); break;
-    case 5: block_kernel<W, 5, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n); break;
-    case 6: block_kernel<W, 6, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n); break;
-    default: block_kernel<W, 7, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n); break;
+    case 1: block_kernel<W, 1, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n, pf); break;
+    case 2: block_kernel<W, 2, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n, pf); break;
+    case 3: block_kernel<W, 3, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n, pf); break;
+    case 4: block_kernel<W, 4, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n, pf); break;
+    case 5: block_kernel<W, 5, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n, pf); break;
+    case 6: block_kernel<W, 6, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n, pf); break;
+    default: block_kernel<W, 7, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n, pf); break;
   }
 }
 
@@ -371,11 +402,14 @@ void panel_linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& p
         const int64_t p0 = tile * kTilePanels;
         const W* panel = wp + p0 * k_size * kLanes;
         const int64_t n0 = p0 * kLanes;
+        const W* next = tile + 1 < end && p0 + 2 * kTilePanels <= num_panels ? panel + kTilePanels * k_size * kLanes
+                                                                               : nullptr;
         if (p0 + kTilePanels <= num_panels)
           rows_kernel<W, kTilePanels>(rows, xp + r0 * ldx, ldx, panel, k_size, scale, bias, op + r0 * ldo, ldo,
-                                      n0, n);
+                                      n0, n, next);
         else
-          rows_kernel<W, 1>(rows, xp + r0 * ldx, ldx, panel, k_size, scale, bias, op + r0 * ldo, ldo, n0, n);
+          rows_kernel<W, 1>(rows, xp + r0 * ldx, ldx, panel, k_size, scale, bias, op + r0 * ldo, ldo, n0, n,
+                            nullptr);
       }
     });
   }
