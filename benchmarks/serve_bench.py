@@ -964,16 +964,18 @@ class LaunchedStack:
     """``tandem serve`` as a child process group, stopped (SIGTERM, then SIGKILL) on exit."""
 
     def __init__(self, model: str, engines: int, engine_args: Sequence[str], log_path: str) -> None:
-        self.port = free_port()
-        base = free_port_range(engines)
-        self.engine_addresses = [f"127.0.0.1:{base + i}" for i in range(engines)]
+        # One range of free ports for everything serve opens: the frontend (base), its
+        # admin listener (serve's default: the frontend's port + 1), the HTTP API and the
+        # engines. Ports picked one by one could land on each other's +1.
+        base = free_port_range(engines + 3)
+        self.port, self.http_port = base, base + 2
+        self.engine_addresses = [f"127.0.0.1:{base + 3 + i}" for i in range(engines)]
         self.target = f"127.0.0.1:{self.port}"
-        self.http_port = free_port()
         self.base_url = f"http://127.0.0.1:{self.http_port}"  # the OpenAI-compatible API
         self.log_path = log_path
         cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model", model,
                "--engines", str(engines), "--port", str(self.port), "--http-port", str(self.http_port),
-               "--engine-base-port", str(base), "--", *engine_args]
+               "--engine-base-port", str(base + 3), "--", *engine_args]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(

@@ -101,6 +101,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def serve_ports(engines: int = 1, attempts: int = 50) -> tuple[int, int]:
+    """(frontend port, engine base port) for ``tandem serve`` from one range of free ports:
+    the frontend at base, its admin listener at base + 1 (serve's default), the engines
+    from base + 2. Ports picked one at a time can land on each other's + 1."""
+    for _ in range(attempts):
+        base = free_port()
+        try:
+            for port in range(base + 1, base + 2 + engines):
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                    sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base, base + 2
+    raise RuntimeError(f"no {engines + 2} consecutive free ports")
+
+
 def tandem_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "tandem.cli", *args]
 

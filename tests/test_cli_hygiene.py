@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.cli import HelpFormatter, build_parser
 from tandem.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
-from tests.e2e_helpers import ServiceProcess, child_env, free_port, tandem_command
+from tests.e2e_helpers import ServiceProcess, child_env, serve_ports, tandem_command
 
 pytest_plugins = ["tests.e2e_helpers"]
 
@@ -168,7 +168,7 @@ def test_bad_invocations_print_one_line(
 
 
 def test_serve_ends_at_once_with_the_error_of_an_engine_that_cannot_start(tiny_llama_dir: str) -> None:
-    args = _serve_args(tiny_llama_dir, free_port(), free_port())
+    args = _serve_args(tiny_llama_dir, *serve_ports())
     result = _run(*args, "--block-size", "0")  # after '--': reaches the engine only
     assert result.returncode == 1
     own = "\n".join(line for line in result.stderr.splitlines() if not line.startswith("[engine 0]"))
@@ -179,7 +179,7 @@ def test_serve_ends_at_once_with_the_error_of_an_engine_that_cannot_start(tiny_l
 
 @pytest.fixture(scope="module")
 def serve_stack(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, object]]:
-    port, engine_port = free_port(), free_port()
+    port, engine_port = serve_ports()
     args = _serve_args(tiny_llama_dir, port, engine_port, "--restart-backoff", "0.5")
     serve = ServiceProcess.spawn("serve", args, f"127.0.0.1:{port}", tmp_path_factory.mktemp("serve"))
     try:
@@ -256,8 +256,8 @@ def test_sigint_stops_serve_cleanly_and_its_engines(serve_stack: dict[str, objec
 
 def test_sigkill_of_serve_leaves_no_engine(tiny_llama_dir: str, tmp_path: Path) -> None:
     """Killed while its engine starts up: the engine goes with it (parent-death signal)."""
-    port = free_port()
-    serve = ServiceProcess.spawn("serve", _serve_args(tiny_llama_dir, port, free_port()),
+    port, engine_port = serve_ports()
+    serve = ServiceProcess.spawn("serve", _serve_args(tiny_llama_dir, port, engine_port),
                                  f"127.0.0.1:{port}", tmp_path)
     try:
         _wait_for(lambda: _engine_pids(serve.log()) or not serve.alive, "serve to start its engine")

@@ -27,7 +27,7 @@ from tests.e2e_helpers import (
     ENGINE_ARGS,
     START_TIMEOUT,
     ServiceProcess,
-    free_port,
+    serve_ports,
     start_stack,
 )
 
@@ -232,7 +232,7 @@ def test_drain_timeout_aborts_leftovers_with_a_clear_status(tiny_llama_dir: str,
 @pytest.fixture
 def serve_process(tiny_llama_dir: str, log_dir: Path) -> Iterator[tuple[ServiceProcess, int]]:
     log_dir.mkdir(parents=True, exist_ok=True)
-    port, engine_port = free_port(), free_port()
+    port, engine_port = serve_ports()
     args = [
         "serve", "--model", tiny_llama_dir, "--engines", "1", "--host", "127.0.0.1",
         "--port", str(port), "--engine-base-port", str(engine_port), "--metrics-port", "0",

@@ -23,7 +23,13 @@ import grpc
 import pytest
 
 from tandem.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
-from tests.e2e_helpers import ADMIN_METADATA, ENGINE_ARGS, START_TIMEOUT, ServiceProcess, free_port
+from tests.e2e_helpers import (
+    ADMIN_METADATA,
+    ENGINE_ARGS,
+    START_TIMEOUT,
+    ServiceProcess,
+    serve_ports,
+)
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -146,7 +152,7 @@ def _engine_pid(log: str, index: int) -> int:
 
 @pytest.fixture(scope="module")
 def serve(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
-    port, engine_port = free_port(), free_port()
+    port, engine_port = serve_ports(2)
     args = [
         "serve", "--model", tiny_llama_dir, "--engines", "2", "--host", "127.0.0.1", "--port", str(port),
         "--engine-base-port", str(engine_port), "--metrics-port", "0", "--engine-metrics-base-port", "0",
