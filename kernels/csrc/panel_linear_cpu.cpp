@@ -58,23 +58,10 @@ struct Prefetch {
 
 #if defined(__AVX512F__)
 
-template <typename W>
-inline __m512 load_panel_row(const W* p);
-
-template <>
-inline __m512 load_panel_row<float>(const float* p) {
-  return _mm512_loadu_ps(p);
-}
-
-template <>
-inline __m512 load_panel_row<int8_t>(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-
 // acc[r][t] += x[r, k] * panel_t[k, :] over all k, for R rows and T panels. With few
 // rows, U interleaved accumulator sets (k mod U) hide the fused multiply-add latency.
-template <typename W, int R, int T>
-inline void block_kernel(const float* x, int64_t ldx, const W* panel, int64_t k_size, const float* scale,
+template <int R, int T>
+inline void block_kernel(const float* x, int64_t ldx, const float* panel, int64_t k_size, const float* scale,
                          const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n, Prefetch pf) {
   constexpr int U = R * T >= 8 ? 1 : (R * T >= 4 ? 2 : 4);
   __m512 acc[U][R][T];
@@ -88,11 +75,11 @@ inline void block_kernel(const float* x, int64_t ldx, const W* panel, int64_t k_
     for (int u = 0; u < U; ++u) {
       __m512 w[T];
       for (int t = 0; t < T; ++t) {
-        const W* row = panel + t * panel_stride + (k + u) * kLanes;
+        const float* row = panel + t * panel_stride + (k + u) * kLanes;
         // A small batch streams the weights from memory once: ask ahead, a line at a time.
-        if ((((k + u) * kLanes * static_cast<int64_t>(sizeof(W))) & 63) == 0)
+        if ((((k + u) * kLanes * static_cast<int64_t>(sizeof(float))) & 63) == 0)
           _mm_prefetch(reinterpret_cast<const char*>(row) + kFloatPrefetchBytes, _MM_HINT_T0);
-        w[t] = load_panel_row<W>(row);
+        w[t] = _mm512_loadu_ps(row);
       }
       for (int r = 0; r < R; ++r) {
         const __m512 xv = _mm512_set1_ps(x[r * ldx + k + u]);
@@ -102,7 +89,7 @@ inline void block_kernel(const float* x, int64_t ldx, const W* panel, int64_t k_
   }
   for (; k < k_size; ++k) {
     for (int t = 0; t < T; ++t) {
-      const __m512 w = load_panel_row<W>(panel + t * panel_stride + k * kLanes);
+      const __m512 w = _mm512_loadu_ps(panel + t * panel_stride + k * kLanes);
       for (int r = 0; r < R; ++r) acc[0][r][t] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * ldx + k]), w, acc[0][r][t]);
     }
   }
@@ -123,8 +110,8 @@ inline void block_kernel(const float* x, int64_t ldx, const W* panel, int64_t k_
 
 #else  // portable: the compiler vectorizes the 16-lane loops for the ISA it builds for
 
-template <typename W, int R, int T>
-inline void block_kernel(const float* x, int64_t ldx, const W* panel, int64_t k_size, const float* scale,
+template <int R, int T>
+inline void block_kernel(const float* x, int64_t ldx, const float* panel, int64_t k_size, const float* scale,
                          const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n, Prefetch pf) {
   float acc[R][T][kLanes] = {};
   const int64_t panel_stride = k_size * kLanes;
@@ -133,9 +120,9 @@ inline void block_kernel(const float* x, int64_t ldx, const W* panel, int64_t k_
     for (int r = 0; r < R; ++r) {
       const float xv = x[r * ldx + k];
       for (int t = 0; t < T; ++t) {
-        const W* w = panel + t * panel_stride + k * kLanes;
+        const float* w = panel + t * panel_stride + k * kLanes;
 #pragma omp simd
-        for (int64_t j = 0; j < kLanes; ++j) acc[r][t][j] += xv * static_cast<float>(w[j]);
+        for (int64_t j = 0; j < kLanes; ++j) acc[r][t][j] += xv * w[j];
       }
     }
   }
@@ -154,11 +141,11 @@ inline void block_kernel(const float* x, int64_t ldx, const W* panel, int64_t k_
 
 // `next`: the tile this thread computes after this one (nullptr: none), fetched in equal
 // parts during this tile's passes when there is more than one.
-template <typename W, int T>
-void rows_kernel(int64_t rows, const float* x, int64_t ldx, const W* panel, int64_t k_size, const float* scale,
-                 const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n, const W* next) {
+template <int T>
+void rows_kernel(int64_t rows, const float* x, int64_t ldx, const float* panel, int64_t k_size, const float* scale,
+                 const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n, const float* next) {
   const int64_t passes = (rows + kMaxRows - 1) / kMaxRows;
-  const int64_t next_bytes = kTilePanels * k_size * kLanes * static_cast<int64_t>(sizeof(W));
+  const int64_t next_bytes = kTilePanels * k_size * kLanes * static_cast<int64_t>(sizeof(float));
   auto prefetch = [&](int64_t pass) {
     Prefetch pf;
     if (next != nullptr && passes > 1) {
@@ -169,20 +156,38 @@ void rows_kernel(int64_t rows, const float* x, int64_t ldx, const W* panel, int6
   };
   int64_t r = 0, pass = 0;
   for (; r + kMaxRows <= rows; r += kMaxRows, ++pass)
-    block_kernel<W, kMaxRows, T>(x + r * ldx, ldx, panel, k_size, scale, bias, out + r * ldo, ldo, n0, n,
+    block_kernel<kMaxRows, T>(x + r * ldx, ldx, panel, k_size, scale, bias, out + r * ldo, ldo, n0, n,
                                  prefetch(pass));
   const float* xr = x + r * ldx;
   float* outr = out + r * ldo;
   const Prefetch pf = prefetch(pass);
   switch (rows - r) {
     case 0: break;
-    case 1: block_kernel<W, 1, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n, pf); break;
-    case 2: block_kernel<W, 2, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n, pf); break;
-    case 3: block_kernel<W, 3, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n, pf); break;
-    case 4: block_kernel<W, 4, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n, pf); break;
-    case 5: block_kernel<W, 5, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n, pf); break;
-    case 6: block_kernel<W, 6, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n, pf); break;
-    default: block_kernel<W, 7, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n, pf); break;
+    case 1: block_kernel<1, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n, pf); break;
+    case 2: block_kernel<2, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n, pf); break;
+    case 3: block_kernel<3, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n, pf); break;
+    case 4: block_kernel<4, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n, pf); break;
+    case 5: block_kernel<5, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n, pf); break;
+    case 6: block_kernel<6, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n, pf); break;
+    default: block_kernel<7, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n, pf); break;
+  }
+}
+
+// Rows of x per chunk, so that the chunk a tile pass reuses stays in L2 (<= 256 KiB);
+// `row_bytes`: one row of x as the kernel reads it.
+int64_t rows_per_chunk(int64_t row_bytes) {
+  return std::max<int64_t>(kMaxRows, (256 * 1024 / std::max<int64_t>(row_bytes, 1)) / kMaxRows * kMaxRows);
+}
+
+// fn(r0, rows, tile, end) for every chunk of up to `row_chunk` rows and every tile; per
+// chunk the tiles are split between threads (`end`: one past this thread's last tile).
+template <typename F>
+void for_each_chunk_and_tile(int64_t m, int64_t row_chunk, int64_t num_tiles, int64_t grain, const F& fn) {
+  for (int64_t r0 = 0; r0 < m; r0 += row_chunk) {
+    const int64_t rows = std::min(row_chunk, m - r0);
+    at::parallel_for(0, num_tiles, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t tile = begin; tile < end; ++tile) fn(r0, rows, tile, end);
+    });
   }
 }
 
@@ -359,60 +364,45 @@ void panel_linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& p
   const int8_t* wp = panels.data_ptr<int8_t>();
   float* op = out.data_ptr<float>();
   const int64_t ldo = out.stride(0);
-  const int64_t row_chunk = std::max<int64_t>(kMaxRows, (256 * 1024 / 4 / std::max<int64_t>(k2, 1)) / kMaxRows * kMaxRows);
+  const int64_t row_chunk = rows_per_chunk(k2 * static_cast<int64_t>(sizeof(int32_t)));
   const int64_t tile_work = std::max<int64_t>(1, std::min(m, row_chunk) * k2 * 2 * kTilePanels * kLanes);
   const int64_t grain = std::max<int64_t>(1, 131072 / tile_work);
-  for (int64_t r0 = 0; r0 < m; r0 += row_chunk) {
-    const int64_t rows = std::min(row_chunk, m - r0);
-    at::parallel_for(0, num_tiles, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t tile = begin; tile < end; ++tile) {
-        const int64_t p0 = tile * kTilePanels;
-        const int8_t* panel = wp + p0 * k2 * 2 * kLanes;
-        const int64_t n0 = p0 * kLanes;
-        if (p0 + kTilePanels <= num_panels)
-          int8_rows_kernel<kTilePanels>(rows, xqp + r0 * k2, k2, xsp + r0 * nb, nb, panel, scale, bias,
-                                        op + r0 * ldo, ldo, n0, n);
-        else
-          int8_rows_kernel<1>(rows, xqp + r0 * k2, k2, xsp + r0 * nb, nb, panel, scale, bias, op + r0 * ldo, ldo,
-                              n0, n);
-      }
-    });
-  }
+  for_each_chunk_and_tile(m, row_chunk, num_tiles, grain, [&](int64_t r0, int64_t rows, int64_t tile, int64_t) {
+    const int64_t p0 = tile * kTilePanels;
+    const int8_t* panel = wp + p0 * k2 * 2 * kLanes;
+    const int64_t n0 = p0 * kLanes;
+    if (p0 + kTilePanels <= num_panels)
+      int8_rows_kernel<kTilePanels>(rows, xqp + r0 * k2, k2, xsp + r0 * nb, nb, panel, scale, bias, op + r0 * ldo,
+                                    ldo, n0, n);
+    else
+      int8_rows_kernel<1>(rows, xqp + r0 * k2, k2, xsp + r0 * nb, nb, panel, scale, bias, op + r0 * ldo, ldo, n0, n);
+  });
 }
 
-template <typename W>
-void panel_linear_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels, const float* scale,
+void panel_linear_float(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels, const float* scale,
                        const float* bias) {
   const int64_t m = x.size(0), k_size = x.size(1), n = out.size(1);
   const int64_t num_panels = panels.size(0);
   const int64_t num_tiles = (num_panels + kTilePanels - 1) / kTilePanels;
   const float* xp = x.data_ptr<float>();
-  const W* wp = panels.data_ptr<W>();
+  const float* wp = panels.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t ldx = x.stride(0), ldo = out.stride(0);
-  // Rows of x per chunk: the block of x one tile pass reuses stays in L2 (<= 256 KiB).
-  const int64_t row_chunk = std::max<int64_t>(kMaxRows, (256 * 1024 / 4 / std::max<int64_t>(k_size, 1)) / kMaxRows * kMaxRows);
+  const int64_t row_chunk = rows_per_chunk(k_size * static_cast<int64_t>(sizeof(float)));
   // A chunk of work should hold >= ~64k multiply-adds to pay a thread hand-off.
   const int64_t tile_work = std::max<int64_t>(1, std::min(m, row_chunk) * k_size * kTilePanels * kLanes);
   const int64_t grain = std::max<int64_t>(1, 65536 / tile_work);
-  for (int64_t r0 = 0; r0 < m; r0 += row_chunk) {
-    const int64_t rows = std::min(row_chunk, m - r0);
-    at::parallel_for(0, num_tiles, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t tile = begin; tile < end; ++tile) {
-        const int64_t p0 = tile * kTilePanels;
-        const W* panel = wp + p0 * k_size * kLanes;
-        const int64_t n0 = p0 * kLanes;
-        const W* next = tile + 1 < end && p0 + 2 * kTilePanels <= num_panels ? panel + kTilePanels * k_size * kLanes
-                                                                               : nullptr;
-        if (p0 + kTilePanels <= num_panels)
-          rows_kernel<W, kTilePanels>(rows, xp + r0 * ldx, ldx, panel, k_size, scale, bias, op + r0 * ldo, ldo,
-                                      n0, n, next);
-        else
-          rows_kernel<W, 1>(rows, xp + r0 * ldx, ldx, panel, k_size, scale, bias, op + r0 * ldo, ldo, n0, n,
-                            nullptr);
-      }
-    });
-  }
+  for_each_chunk_and_tile(m, row_chunk, num_tiles, grain, [&](int64_t r0, int64_t rows, int64_t tile, int64_t end) {
+    const int64_t p0 = tile * kTilePanels;
+    const float* panel = wp + p0 * k_size * kLanes;
+    const int64_t n0 = p0 * kLanes;
+    const bool next_here = tile + 1 < end && p0 + 2 * kTilePanels <= num_panels;
+    const float* next = next_here ? panel + kTilePanels * k_size * kLanes : nullptr;
+    if (p0 + kTilePanels <= num_panels)
+      rows_kernel<kTilePanels>(rows, xp + r0 * ldx, ldx, panel, k_size, scale, bias, op + r0 * ldo, ldo, n0, n, next);
+    else
+      rows_kernel<1>(rows, xp + r0 * ldx, ldx, panel, k_size, scale, bias, op + r0 * ldo, ldo, n0, n, nullptr);
+  });
 }
 
 void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scale,
@@ -440,7 +430,7 @@ void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& panels,
   if (int8)
     panel_linear_int8(out, x, panels, s, b);
   else if (panels.scalar_type() == at::kFloat)
-    panel_linear_impl<float>(out, x, panels, s, b);
+    panel_linear_float(out, x, panels, s, b);
   else
     TORCH_CHECK(false, "panels must be int8 or float32, got ", panels.scalar_type());
 }
