@@ -354,6 +354,7 @@ class DecoderForCausalLM(nn.Module):
             cfg.num_heads,
             cfg.num_kv_heads,
             cfg.head_dim,
+            cfg.intermediate_size,
             cfg.rms_norm_eps,
             cfg.head_dim**-0.5,
         )

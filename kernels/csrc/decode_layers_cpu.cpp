@@ -47,10 +47,6 @@ enum Slot : int64_t {
   kPerLayer,
 };
 
-int64_t panel_columns(const at::Tensor& panels) {  // 16 per panel, padding included
-  return panels.size(0) * 16;
-}
-
 // out[t, :] = silu(gate_up[t, :I]) * gate_up[t, I:]
 void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up) {
   const int64_t rows = out.size(0), inter = out.size(1);
@@ -72,7 +68,8 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& positions, 
                          const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& token_index,
                          const at::Tensor& seq_index, const at::Tensor& cos_sin_cache, at::TensorList key_caches,
                          at::TensorList value_caches, at::TensorList weights, const at::Tensor& final_norm,
-                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
+                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate,
+                         double eps, double scale) {
   const int64_t layers = static_cast<int64_t>(key_caches.size());
   TORCH_CHECK(hidden.dim() == 2 && hidden.scalar_type() == at::kFloat && hidden.is_contiguous(),
               "hidden must be contiguous float32 [T, H]");
@@ -81,12 +78,7 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& positions, 
               "expected ", kPerLayer, " weights and one key/value cache per layer");
   const int64_t t = hidden.size(0), h = hidden.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  const at::Tensor& gate_up_panels = weights[kGateUp];
   const at::TensorOptions f32 = hidden.options();
-  // The intermediate size is the down projection's input width.
-  const at::Tensor& down0 = weights[kDown];
-  const int64_t intermediate = down0.scalar_type() == at::kChar ? down0.size(1) * 2 : down0.size(1);
-  TORCH_CHECK(panel_columns(gate_up_panels) >= 2 * intermediate, "gate_up is narrower than 2 x intermediate");
 
   at::Tensor normed = at::empty({t, h}, f32);
   at::Tensor proj = at::empty({t, h}, f32);  // o_proj's, then down_proj's output
@@ -144,7 +136,8 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def(
       "decode_layers(Tensor hidden, Tensor positions, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
       "Tensor token_index, Tensor seq_index, Tensor cos_sin_cache, Tensor[] key_caches, Tensor[] value_caches, "
-      "Tensor[] weights, Tensor final_norm, int num_heads, int num_kv_heads, int head_dim, float eps, "
+      "Tensor[] weights, Tensor final_norm, int num_heads, int num_kv_heads, int head_dim, int intermediate_size, "
+      "float eps, "
       "float scale) -> Tensor");
   m.impl("decode_layers", c10::DispatchKey::CPU, &decode_layers);
 }
