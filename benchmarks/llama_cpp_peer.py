@@ -97,13 +97,12 @@ def int8_accuracy(model: str, threads: int, num_prompts: int, prompt_len: int, g
     """int8 against float32 on the same prompts: the logit error of every prompt's first
     generated position (relative to the float32 logits' standard deviation) and greedy
     agreement (identical greedy tokens, and positions before the first difference)."""
-    rng = random.Random(1234)
     runs = {}
     for quant in ("none", "int8"):
         core = EngineCore(EngineConfig(model=model, quantization=quant, num_threads=threads, max_num_seqs=num_prompts,
                                        max_model_len=prompt_len + gen_len + 16))
         vocab = core.model_config.vocab_size
-        rng.seed(1234)
+        rng = random.Random(1234)  # the same prompts for both
         prompts = [[rng.randrange(3, vocab) for _ in range(prompt_len)] for _ in range(num_prompts)]
         params = SamplingParams(max_tokens=gen_len, ignore_eos=True, temperature=0.0, logprobs=20)
         for i, prompt in enumerate(prompts):

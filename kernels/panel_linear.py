@@ -42,14 +42,6 @@ class PanelWeight:
     out_features: int  # N
     in_k: int  # K
 
-    @property
-    def in_features(self) -> int:
-        return self.in_k
-
-    @property
-    def nbytes(self) -> int:
-        return self.panels.numel() * self.panels.element_size() + self.scale.numel() * 4
-
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[N, K]`` float -> (``[N, K]`` int8, ``[N]`` float32 scale), symmetric per output
