@@ -125,6 +125,30 @@ def test_decode_profile_accounts_for_the_step() -> None:
         assert got == pytest.approx(want, rel=0.02, abs=0.05)
 
 
+def test_llama_cpp_peer_tandem_side_and_accuracy() -> None:
+    """benchmarks.llama_cpp_peer without llama.cpp: both Tandem configurations at a tiny
+    size, every cell a positive rate, and the int8 accuracy line with counts in range."""
+    import io
+    import re
+    from contextlib import redirect_stdout
+
+    from benchmarks import llama_cpp_peer
+
+    out = io.StringIO()
+    with redirect_stdout(out):
+        assert llama_cpp_peer.main(["--batch-sizes", "1,2", "--prompt-len", "8", "--gen-len", "4",
+                                    "--repeats", "1", "--accuracy-prompts", "3"]) == 0
+    text = out.getvalue()
+    for config in ("fp32", "int8"):
+        for batch in (1, 2):
+            row = re.search(rf"^Tandem {config}\s+{batch}\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", text, re.M)
+            assert row is not None, (config, batch, text)
+            assert all(float(v) > 0 for v in row.groups()), row.group(0)
+    acc = re.search(r"first token equal (\d+)/3, identical sequences (\d+)/3", text)
+    assert acc is not None, text
+    assert all(0 <= int(v) <= 3 for v in acc.groups())
+
+
 def test_tensor_parallel_benchmark_smoke(tmp_path: Path) -> None:
     """TP=1 vs TP=2 and the gloo all-reduce measurement at a tiny size (numbers printed, not asserted)."""
     env = dict(os.environ, TANDEM_CACHE_DIR=str(tmp_path / "cache"))
