@@ -6,7 +6,10 @@ first imported. Other test modules in this pytest process may import triton (tra
 does) or ``kernels.triton_ops`` before this module runs, and setting the variable here
 would leak into their tests. So each mode gets a worker process whose environment is
 fixed before Python starts: one with ``TRITON_INTERPRET=1`` that checks numerics on CPU,
-and one without it that compiles kernels for sm_90 down to cubin. Each test sends the
+one without it that compiles kernels for sm_90 down to cubin, and, where this machine has
+CUDA, one that runs the same numerics cases compiled on the GPU
+(``TANDEM_KERNEL_TEST_DEVICE=cuda``: inputs are drawn on CPU from the seed, the kernels run
+on the GPU, the reference on CPU). Each test sends the
 worker one case (a ``case_*`` function of this module, by name) and gets back one JSON
 line. This process never imports triton.
 
@@ -110,12 +113,13 @@ def serve() -> None:
         replies.write(_REPLY_PREFIX + json.dumps(reply) + "\n")
 
 
-def _worker_env(interpret: bool, cache_dir: Path) -> dict[str, str]:
+def _worker_env(interpret: bool, cache_dir: Path, device: str = "cpu") -> dict[str, str]:
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
+    env["TANDEM_KERNEL_TEST_DEVICE"] = device
     if interpret:
         env["TRITON_INTERPRET"] = "1"
-    else:
+    elif device == "cpu":
         env["TRITON_DUMP_PTXAS_LOG"] = "1"  # register/spill report, checked below
     env["TRITON_CACHE_DIR"] = str(cache_dir)  # compile for real, not from an old cache
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
@@ -127,6 +131,24 @@ def _worker_env(interpret: bool, cache_dir: Path) -> dict[str, str]:
 def interp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KernelWorker]:
     tmp = tmp_path_factory.mktemp("triton-interp")
     worker = KernelWorker(_worker_env(True, tmp / "cache"), tmp / "worker.log")
+    yield worker
+    worker.close()
+
+
+# Where the numerics cases run: always the interpreter, and the GPU where there is one.
+_NUMERICS_MODES = ["interpreter", *(["cuda"] if torch.cuda.is_available() else [])]
+
+
+@pytest.fixture(scope="module", params=_NUMERICS_MODES)
+def numerics(
+    request: pytest.FixtureRequest, interp: KernelWorker, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[KernelWorker]:
+    """The worker that runs a numerics case: the interpreter's, or one on CUDA."""
+    if request.param == "interpreter":
+        yield interp
+        return
+    tmp = tmp_path_factory.mktemp("triton-cuda")
+    worker = KernelWorker(_worker_env(False, tmp / "cache", "cuda"), tmp / "worker.log")
     yield worker
     worker.close()
 
@@ -147,10 +169,24 @@ def _fresh_seed() -> int:
 # These run in the workers.
 
 
+def _device() -> torch.device:
+    """Where this worker runs the kernels (the reference always runs on CPU)."""
+    return torch.device(os.environ.get("TANDEM_KERNEL_TEST_DEVICE", "cpu"))
+
+
+def _interpreting() -> bool:
+    return _device().type == "cpu"
+
+
+def _on_device(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: t.to(_device()) for name, t in batch.items()}
+
+
 def _check_close(actual: torch.Tensor, expected: torch.Tensor, dtype: str, what: str) -> float:
     atol, rtol = _TOL[dtype]
-    torch.testing.assert_close(actual.float(), expected.float(), atol=atol, rtol=rtol, msg=what)
-    return float((actual.float() - expected.float()).abs().max())
+    actual = actual.cpu().float()
+    torch.testing.assert_close(actual, expected.float(), atol=atol, rtol=rtol, msg=what)
+    return float((actual - expected.float()).abs().max())
 
 
 class Guarded:
@@ -162,8 +198,9 @@ class Guarded:
         self.guard = max(4096, numel // max(shape[0], 1))  # at least one outer row
         head = torch.randn(self.guard, generator=gen).to(fill.dtype)
         tail = torch.randn(self.guard, generator=gen).to(fill.dtype)
-        self.buffer = torch.cat([head, fill.reshape(-1), tail])
-        self._head, self._tail = head, tail
+        device = _device()
+        self.buffer = torch.cat([head, fill.reshape(-1), tail]).to(device)
+        self._head, self._tail = head.to(device), tail.to(device)
         self.view = self.buffer[self.guard : self.guard + numel].view(shape)
 
     def check_guards(self, what: str) -> None:
@@ -253,6 +290,13 @@ def case_interpreter_is_on() -> bool:
     return bool(triton.knobs.runtime.interpret) and triton_ops.interpreting()
 
 
+def case_compiled_on_cuda() -> bool:
+    """True when this worker runs compiled kernels on a CUDA device."""
+    from kernels import triton_ops
+
+    return _device().type == "cuda" and not triton_ops.interpreting()
+
+
 def case_paged_attention(
     seed: int,
     dtype: str,
@@ -276,7 +320,7 @@ def case_paged_attention(
     out = Guarded(batch["query"].shape, torch.full_like(batch["query"], float("nan")), gen)
     tiles = None if block_m is None else triton_ops.AttentionTiles(block_m, tile_n or 32)
     launch = triton_ops.plan_paged_attention(
-        **batch, scale=scale, out=out.view, tiles=tiles, interpret=True
+        **_on_device(batch), scale=scale, out=out.view, tiles=tiles, interpret=_interpreting()
     )
     launch.run()
     out.check_guards(f"paged_attention out, seed={seed}")
@@ -291,7 +335,7 @@ def case_paged_attention_public_api(seed: int) -> float:
     gen = torch.Generator().manual_seed(seed)
     batch = _paged_batch(gen, torch.float16, 8, 2, 64, 16, [1, 23, 1], [40, 9, 0])
     ops = dispatch.get_ops("triton")
-    out = ops.paged_attention(**batch, scale=0.125)
+    out = ops.paged_attention(**_on_device(batch), scale=0.125)
     expected = _reference_attention_per_seq(batch, 0.125)
     return _check_close(out, expected, "float16", f"public paged_attention seed={seed}")
 
@@ -318,14 +362,17 @@ def case_reshape_and_cache(
     padding = torch.rand(num_tokens, generator=gen) < 0.2
     padding[0] = True
     slots[padding] = -1
-    expected_k, expected_v = key_cache.view.clone(), value_cache.view.clone()
+    expected_k, expected_v = key_cache.view.cpu().clone(), value_cache.view.cpu().clone()
     reference.reshape_and_cache(key, value, expected_k, expected_v, slots)
-    triton_ops.reshape_and_cache(key, value, key_cache.view, value_cache.view, slots)
+    dev = _device()
+    triton_ops.reshape_and_cache(
+        key.to(dev), value.to(dev), key_cache.view, value_cache.view, slots.to(dev)
+    )
     key_cache.check_guards(f"key cache, seed={seed}")
     value_cache.check_guards(f"value cache, seed={seed}")
     # A copy is exact; skipped slots must keep their old (random) contents.
-    assert torch.equal(key_cache.view, expected_k), f"key cache differs, seed={seed}"
-    assert torch.equal(value_cache.view, expected_v), f"value cache differs, seed={seed}"
+    assert torch.equal(key_cache.view.cpu(), expected_k), f"key cache differs, seed={seed}"
+    assert torch.equal(value_cache.view.cpu(), expected_v), f"value cache differs, seed={seed}"
     return int((~padding).sum())
 
 
@@ -342,17 +389,20 @@ def case_rms_norm(
     weight = torch.randn(hidden, generator=gen).to(torch_dtype)
     residual = torch.randn(num_tokens, hidden, generator=gen).to(torch_dtype)
     residual = residual if with_residual else None
-    out = torch.full((num_tokens, hidden), float("nan"), dtype=torch_dtype)
+    expected, expected_res = reference.rms_norm(x, weight, 1e-5, residual)
+    dev = _device()
+    x, weight = wide.to(dev)[:, :hidden], weight.to(dev)
+    residual = None if residual is None else residual.to(dev)
+    out = torch.full((num_tokens, hidden), float("nan"), dtype=torch_dtype, device=dev)
     new_res = torch.full_like(out, float("nan")) if with_residual else None
     triton_ops.plan_rms_norm(x, weight, 1e-5, residual, out, new_res).run()
-    expected, expected_res = reference.rms_norm(x, weight, 1e-5, residual)
     err = _check_close(out, expected, dtype, f"rms_norm out, seed={seed}")
     if expected_res is not None:
         assert new_res is not None
         if dtype == "bfloat16":  # the interpreter truncates fp32 -> bf16; the reference rounds
             _check_close(new_res, expected_res, dtype, f"rms_norm residual, seed={seed}")
         else:
-            assert torch.equal(new_res, expected_res), f"rms_norm residual, seed={seed}"
+            assert torch.equal(new_res.cpu(), expected_res), f"rms_norm residual, seed={seed}"
     public_out, public_res = triton_ops.rms_norm(x, weight, 1e-5, residual)
     assert torch.equal(public_out, out), "public rms_norm differs from the planned launch"
     assert (public_res is None) == (residual is None)
@@ -391,7 +441,10 @@ def case_rotary_embedding(
         return q, k
 
     reference.rotary_embedding(positions, *views(expected), cache)
-    triton_ops.rotary_embedding(positions, *views(qkv), cache)
+    dev = _device()
+    qkv = qkv.to(dev)
+    triton_ops.rotary_embedding(positions.to(dev), *views(qkv), cache.to(dev))
+    qkv = qkv.cpu()
     assert torch.equal(qkv[:, q_width + kv_width :], expected[:, q_width + kv_width :]), (
         "rotary_embedding wrote into the value part"
     )
@@ -529,13 +582,23 @@ def test_worker_runs_the_interpreter(interp: KernelWorker) -> None:
     assert interp.call("interpreter_is_on") is True
 
 
+def test_numerics_worker_runs_where_it_says(numerics: KernelWorker, interp: KernelWorker) -> None:
+    """The CUDA worker runs compiled kernels on the GPU, the interpreter's stays on CPU."""
+    assert numerics.call("compiled_on_cuda") is (numerics is not interp)
+
+
 @pytest.mark.parametrize(
     ("dtype", "head_dim", "block_size", "group", "num_kv_heads"), _ATTENTION_CONFIGS
 )
 def test_paged_attention_mixed_batch(
-    interp: KernelWorker, dtype: str, head_dim: int, block_size: int, group: int, num_kv_heads: int
+    numerics: KernelWorker,
+    dtype: str,
+    head_dim: int,
+    block_size: int,
+    group: int,
+    num_kv_heads: int,
 ) -> None:
-    interp.call(
+    numerics.call(
         "paged_attention",
         seed=_fresh_seed(),
         dtype=dtype,
@@ -549,10 +612,10 @@ def test_paged_attention_mixed_batch(
 
 
 @pytest.mark.parametrize(("block_m", "tile_n"), [(16, 16), (32, 64), (128, 32)])
-def test_paged_attention_tile_shapes(interp: KernelWorker, block_m: int, tile_n: int) -> None:
+def test_paged_attention_tile_shapes(numerics: KernelWorker, block_m: int, tile_n: int) -> None:
     """Query tiles smaller and larger than a chunk, keys tiles smaller and larger than
     a cache block, and a sequence with no new tokens."""
-    interp.call(
+    numerics.call(
         "paged_attention",
         seed=_fresh_seed(),
         dtype="float16",
@@ -567,9 +630,9 @@ def test_paged_attention_tile_shapes(interp: KernelWorker, block_m: int, tile_n:
     )
 
 
-def test_paged_attention_odd_group_and_head_dim(interp: KernelWorker) -> None:
+def test_paged_attention_odd_group_and_head_dim(numerics: KernelWorker) -> None:
     """GQA ratio 3 and head dim 80 exercise the padded query-row and head-dim masks."""
-    interp.call(
+    numerics.call(
         "paged_attention",
         seed=_fresh_seed(),
         dtype="float16",
@@ -582,10 +645,10 @@ def test_paged_attention_odd_group_and_head_dim(interp: KernelWorker) -> None:
     )
 
 
-def test_paged_attention_long_decode(interp: KernelWorker) -> None:
+def test_paged_attention_long_decode(numerics: KernelWorker) -> None:
     """An 8k-token decode next to a 1-token one; fp32 so the tolerance is tight enough
     that one key too many or too few (a 1/8192 share) would show."""
-    interp.call(
+    numerics.call(
         "paged_attention",
         seed=_fresh_seed(),
         dtype="float32",
@@ -598,8 +661,8 @@ def test_paged_attention_long_decode(interp: KernelWorker) -> None:
     )
 
 
-def test_paged_attention_public_api(interp: KernelWorker) -> None:
-    interp.call("paged_attention_public_api", seed=_fresh_seed())
+def test_paged_attention_public_api(numerics: KernelWorker) -> None:
+    numerics.call("paged_attention_public_api", seed=_fresh_seed())
 
 
 @pytest.mark.parametrize(
@@ -613,14 +676,14 @@ def test_paged_attention_public_api(interp: KernelWorker) -> None:
     ],
 )
 def test_reshape_and_cache(
-    interp: KernelWorker,
+    numerics: KernelWorker,
     dtype: str,
     cache_dtype: str,
     num_kv_heads: int,
     head_dim: int,
     block_size: int,
 ) -> None:
-    written = interp.call(
+    written = numerics.call(
         "reshape_and_cache",
         seed=_fresh_seed(),
         dtype=dtype,
@@ -645,9 +708,9 @@ def test_reshape_and_cache(
     ],
 )
 def test_rms_norm(
-    interp: KernelWorker, dtype: str, hidden: int, with_residual: bool, row_pad: int
+    numerics: KernelWorker, dtype: str, hidden: int, with_residual: bool, row_pad: int
 ) -> None:
-    interp.call(
+    numerics.call(
         "rms_norm",
         seed=_fresh_seed(),
         dtype=dtype,
@@ -669,14 +732,14 @@ def test_rms_norm(
     ],
 )
 def test_rotary_embedding(
-    interp: KernelWorker,
+    numerics: KernelWorker,
     dtype: str,
     cache_dtype: str,
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
 ) -> None:
-    interp.call(
+    numerics.call(
         "rotary_embedding",
         seed=_fresh_seed(),
         dtype=dtype,
