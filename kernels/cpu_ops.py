@@ -76,7 +76,8 @@ def _extension_name() -> str:
     kernels, e.g. git worktrees, do not rebuild each other's extension)."""
     torch_tag = hashlib.sha256(torch.__version__.encode()).hexdigest()[:6]
     sources = hashlib.sha256()
-    for path in sorted([*_SOURCES, os.path.join(_CSRC, "cpu_kernels.h")]):
+    headers = [os.path.join(_CSRC, name) for name in os.listdir(_CSRC) if name.endswith(".h")]
+    for path in sorted([*_SOURCES, *headers]):
         with open(path, "rb") as f:
             sources.update(f.read())
     return f"tandem_cpu_kernels_{_cpu_fingerprint()}_{torch_tag}_{sources.hexdigest()[:8]}"
@@ -205,6 +206,17 @@ def rms_norm(
     new_residual = torch.empty(rows.shape, dtype=x.dtype)
     torch.ops.tandem_cpu.fused_add_rms_norm(out, new_residual, rows, _rows(residual, d), weight.contiguous(), eps)
     return out.view(x.shape), new_residual.view(x.shape)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    """Same contract as ``kernels.reference.silu_and_mul``; one pass over float32 rows."""
+    if gate_up.device.type != "cpu" or gate_up.dtype != torch.float32 or gate_up.dim() != 2:
+        return reference.silu_and_mul(gate_up)
+    if gate_up.stride(1) != 1:
+        gate_up = gate_up.contiguous()
+    out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=torch.float32)
+    torch.ops.tandem_cpu.silu_and_mul(out, gate_up)
+    return out
 
 
 def _rows(t: torch.Tensor, d: int) -> torch.Tensor:  # [..., d] -> [rows, d], rows contiguous

@@ -21,6 +21,7 @@ class KernelOps:
     paged_attention: Callable[..., Any]
     rms_norm: Callable[..., Any]
     rotary_embedding: Callable[..., None]
+    silu_and_mul: Callable[..., Any]
     apply_token_bitmask: Callable[..., None]
 
 
@@ -45,9 +46,17 @@ def get_ops(backend: str) -> KernelOps:
         paged_attention=mod.paged_attention,
         rms_norm=mod.rms_norm,
         rotary_embedding=mod.rotary_embedding,
+        # Native on CPU; elsewhere the reference's two elementwise ops.
+        silu_and_mul=getattr(mod, "silu_and_mul", _reference_silu_and_mul),
         # A structured-output mask: native on CPU, the (device-agnostic) reference elsewhere.
         apply_token_bitmask=getattr(mod, "apply_token_bitmask", _reference_apply_token_bitmask),
     )
+
+
+def _reference_silu_and_mul(gate_up: Any) -> Any:
+    from kernels.reference import silu_and_mul
+
+    return silu_and_mul(gate_up)
 
 
 def _reference_apply_token_bitmask(*args: Any) -> None:

@@ -261,6 +261,12 @@ def rms_norm(
     return (h * weight.float()).to(orig_dtype), new_residual
 
 
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2I] -> [num_tokens, I]
+    """SwiGLU's activation: ``silu(gate_up[:, :I]) * gate_up[:, I:]``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
+
+
 def rotary_embedding(
     positions: torch.Tensor,  # [num_tokens] int64
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]

@@ -122,6 +122,23 @@ def test_rms_norm_matches_reference(dtype: torch.dtype, with_residual: bool) -> 
         assert got_res is None
 
 
+def test_silu_and_mul_matches_reference_over_the_float_range() -> None:
+    """The native SwiGLU activation (its own vectorized exp) against torch's silu * up,
+    on a strided input, an intermediate size that leaves a scalar tail, and gate values
+    out to where e^-x overflows or underflows float32."""
+    seed = _fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    rows, inter = int(torch.randint(1, 200, (), generator=gen)), 16 * int(torch.randint(1, 40, (), generator=gen)) + 7
+    wide = _rand(gen, rows, 2 * inter + 5).mul_(8.0)
+    gate_up = wide[:, 3 : 3 + 2 * inter]
+    extremes = torch.tensor([-1e4, -200.0, -104.0, -89.0, -88.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 88.0, 89.0, 200.0, 1e4])
+    gate_up[0, : extremes.numel()] = extremes
+    got = cpu_ops.silu_and_mul(gate_up)
+    want = reference.silu_and_mul(gate_up.clone())
+    assert torch.isfinite(got).all(), f"seed={seed}"
+    torch.testing.assert_close(got, want, atol=1e-30, rtol=4e-6, msg=f"seed={seed}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_rotary_embedding_matches_reference_on_strided_views(dtype: torch.dtype) -> None:
     """q and k are views into one fused qkv row, as the model passes them."""

@@ -153,10 +153,10 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, ops: KernelOps, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         bias = config.features.mlp_bias
-        self.intermediate_size = config.intermediate_size
+        self.ops = ops
         # Output rows: [gate (intermediate) | up (intermediate)].
         self.gate_up_proj = FusedLinear(
             config.hidden_size, 2 * config.intermediate_size, bias, dtype, device
@@ -165,8 +165,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> same
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        return self.down_proj(self.ops.silu_and_mul(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -179,7 +178,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNormWeight(config.hidden_size, dtype, device)
         self.self_attn = Attention(config, ops, dtype, device)
         self.post_attention_layernorm = RMSNormWeight(config.hidden_size, dtype, device)
-        self.mlp = MLP(config, dtype, device)
+        self.mlp = MLP(config, ops, dtype, device)
 
     def forward(
         self,

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "vec_math.h"
 
 namespace {
 
@@ -58,8 +59,16 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up) {
       const float* gr = g + r * gs;
       const float* ur = gr + inter;
       float* orow = o + r * os;
-#pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) orow[i] = gr[i] / (1.f + std::exp(-gr[i])) * ur[i];
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      const __m512 one = _mm512_set1_ps(1.f);
+      for (; i + 16 <= inter; i += 16) {
+        const __m512 g = _mm512_loadu_ps(gr + i);
+        const __m512 e = tandem_cpu::exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        _mm512_storeu_ps(orow + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), _mm512_loadu_ps(ur + i)));
+      }
+#endif
+      for (; i < inter; ++i) orow[i] = gr[i] / (1.f + std::exp(-gr[i])) * ur[i];
     }
   });
 }
@@ -130,9 +139,22 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& positions, 
   return out;
 }
 
+// The op: shapes checked here, the loop above.
+void silu_and_mul_op(at::Tensor out, const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kFloat && gate_up.stride(1) == 1,
+              "gate_up must be [T, 2I] float32 with unit column stride");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even number of columns");
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.stride(1) == 1 &&
+                  out.size(0) == gate_up.size(0) && out.size(1) == gate_up.size(1) / 2,
+              "out must be [T, I] float32 with unit column stride");
+  silu_and_mul(out, gate_up);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
+  m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
+  m.impl("silu_and_mul", c10::DispatchKey::CPU, &silu_and_mul_op);
   m.def(
       "decode_layers(Tensor hidden, Tensor positions, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
       "Tensor token_index, Tensor seq_index, Tensor cos_sin_cache, Tensor[] key_caches, Tensor[] value_caches, "

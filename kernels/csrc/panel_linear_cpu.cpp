@@ -37,7 +37,7 @@
 namespace {
 
 constexpr int64_t kLanes = 16;     // columns per panel
-constexpr int64_t kMaxRows = 8;    // rows of x per register block
+constexpr int kMaxRows = 8;        // rows of x per register block
 constexpr int64_t kTilePanels = 2; // panels per tile
 constexpr int64_t kFloatPrefetchBytes = 2048;  // how far ahead a small batch asks for weights
 
@@ -45,14 +45,16 @@ constexpr int64_t kFloatPrefetchBytes = 2048;  // how far ahead a small batch as
 // one line per call of `step` at most (a batch of more than 8 rows reads a tile once from
 // memory, then computes on it from cache; fetching the next tile meanwhile overlaps the
 // two).
+// After `step` has covered k values 0..k, floor((k + 1) * lines / k_size) lines are asked
+// for; kept by an error term instead of a division per k.
 struct Prefetch {
   const char* begin = nullptr;
-  int64_t bytes = 0;
+  int64_t lines = 0;   // cache lines to ask for over the pass
+  int64_t owed = 0;    // lines * (k values covered) - issued * k_size
   int64_t issued = 0;  // lines asked for so far
-  inline void step(int64_t k, int64_t k_size) {
+  inline void step(int64_t ks, int64_t k_size) {  // covers `ks` more values of k
     if (begin == nullptr) return;
-    const int64_t want = (k + 1) * (bytes / 64) / k_size;
-    for (; issued < want; ++issued) __builtin_prefetch(begin + issued * 64);
+    for (owed += lines * ks; owed >= k_size; owed -= k_size) __builtin_prefetch(begin + 64 * issued++);
   }
 };
 
@@ -60,7 +62,9 @@ struct Prefetch {
 
 // acc[r][t] += x[r, k] * panel_t[k, :] over all k, for R rows and T panels. With few
 // rows, U interleaved accumulator sets (k mod U) hide the fused multiply-add latency.
-template <int R, int T>
+// `Stream`: this pass is the tile's only one, so it reads the weights from memory and asks
+// for them ahead (a pass over a tile already in cache would only waste load slots on it).
+template <int R, int T, bool Stream>
 inline void block_kernel(const float* x, int64_t ldx, const float* panel, int64_t k_size, const float* scale,
                          const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n, Prefetch pf) {
   constexpr int U = R * T >= 8 ? 1 : (R * T >= 4 ? 2 : 4);
@@ -71,14 +75,13 @@ inline void block_kernel(const float* x, int64_t ldx, const float* panel, int64_
   const int64_t panel_stride = k_size * kLanes;
   int64_t k = 0;
   for (; k + U <= k_size; k += U) {
-    pf.step(k, k_size);
+    pf.step(U, k_size);
     for (int u = 0; u < U; ++u) {
       __m512 w[T];
       for (int t = 0; t < T; ++t) {
         const float* row = panel + t * panel_stride + (k + u) * kLanes;
-        // A small batch streams the weights from memory once: ask ahead, a line at a time.
-        if ((((k + u) * kLanes * static_cast<int64_t>(sizeof(float))) & 63) == 0)
-          _mm_prefetch(reinterpret_cast<const char*>(row) + kFloatPrefetchBytes, _MM_HINT_T0);
+        // A panel row is one cache line: ask for the one kFloatPrefetchBytes ahead.
+        if constexpr (Stream) _mm_prefetch(reinterpret_cast<const char*>(row) + kFloatPrefetchBytes, _MM_HINT_T0);
         w[t] = _mm512_loadu_ps(row);
       }
       for (int r = 0; r < R; ++r) {
@@ -110,13 +113,13 @@ inline void block_kernel(const float* x, int64_t ldx, const float* panel, int64_
 
 #else  // portable: the compiler vectorizes the 16-lane loops for the ISA it builds for
 
-template <int R, int T>
+template <int R, int T, bool Stream>
 inline void block_kernel(const float* x, int64_t ldx, const float* panel, int64_t k_size, const float* scale,
                          const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n, Prefetch pf) {
   float acc[R][T][kLanes] = {};
   const int64_t panel_stride = k_size * kLanes;
   for (int64_t k = 0; k < k_size; ++k) {
-    pf.step(k, k_size);
+    pf.step(1, k_size);
     for (int r = 0; r < R; ++r) {
       const float xv = x[r * ldx + k];
       for (int t = 0; t < T; ++t) {
@@ -139,6 +142,20 @@ inline void block_kernel(const float* x, int64_t ldx, const float* panel, int64_
 
 #endif
 
+// block_kernel<rows, T, Stream> for 1 <= rows <= kMaxRows, the row count known at run time.
+template <int T, bool Stream, int R = 1>
+inline void block_kernel_rows(int64_t rows, const float* x, int64_t ldx, const float* panel, int64_t k_size,
+                              const float* scale, const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n,
+                              Prefetch pf) {
+  if constexpr (R < kMaxRows) {
+    if (rows != R) {
+      block_kernel_rows<T, Stream, R + 1>(rows, x, ldx, panel, k_size, scale, bias, out, ldo, n0, n, pf);
+      return;
+    }
+  }
+  block_kernel<R, T, Stream>(x, ldx, panel, k_size, scale, bias, out, ldo, n0, n, pf);
+}
+
 // `next`: the tile this thread computes after this one (nullptr: none), fetched in equal
 // parts during this tile's passes when there is more than one.
 template <int T>
@@ -149,28 +166,26 @@ void rows_kernel(int64_t rows, const float* x, int64_t ldx, const float* panel, 
   auto prefetch = [&](int64_t pass) {
     Prefetch pf;
     if (next != nullptr && passes > 1) {
-      pf.begin = reinterpret_cast<const char*>(next) + pass * next_bytes / passes;
-      pf.bytes = (pass + 1) * next_bytes / passes - pass * next_bytes / passes;
+      const int64_t first = pass * next_bytes / passes;
+      pf.begin = reinterpret_cast<const char*>(next) + first;
+      pf.lines = ((pass + 1) * next_bytes / passes - first) / 64;
     }
     return pf;
   };
+  if (passes == 1) {  // up to kMaxRows rows: one pass, weights streamed from memory
+    block_kernel_rows<T, true>(rows, x, ldx, panel, k_size, scale, bias, out, ldo, n0, n, Prefetch{});
+    return;
+  }
+  // Several passes: the first reads the tile from memory, the rest from cache, and each
+  // asks for its share of the next tile.
   int64_t r = 0, pass = 0;
   for (; r + kMaxRows <= rows; r += kMaxRows, ++pass)
-    block_kernel<kMaxRows, T>(x + r * ldx, ldx, panel, k_size, scale, bias, out + r * ldo, ldo, n0, n,
-                                 prefetch(pass));
+    block_kernel<kMaxRows, T, false>(x + r * ldx, ldx, panel, k_size, scale, bias, out + r * ldo, ldo, n0, n,
+                                     prefetch(pass));
   const float* xr = x + r * ldx;
   float* outr = out + r * ldo;
   const Prefetch pf = prefetch(pass);
-  switch (rows - r) {
-    case 0: break;
-    case 1: block_kernel<1, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n, pf); break;
-    case 2: block_kernel<2, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n, pf); break;
-    case 3: block_kernel<3, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n, pf); break;
-    case 4: block_kernel<4, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n, pf); break;
-    case 5: block_kernel<5, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n, pf); break;
-    case 6: block_kernel<6, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n, pf); break;
-    default: block_kernel<7, T>(xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n, pf); break;
-  }
+  if (rows > r) block_kernel_rows<T, false>(rows - r, xr, ldx, panel, k_size, scale, bias, outr, ldo, n0, n, pf);
 }
 
 // Rows of x per chunk, so that the chunk a tile pass reuses stays in L2 (<= 256 KiB);
