@@ -27,6 +27,7 @@
 #include <torch/library.h>
 
 #include "cpu_kernels.h"
+#include "vec_math.h"
 
 #include <algorithm>
 #include <cmath>
@@ -134,15 +135,8 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
       // Softmax per query head, in float32.
       for (int64_t hq = 0; hq < num_heads; ++hq) {
         float* sc = scores.data() + hq * len;
-        float m = sc[0];  // len >= 1: the new token itself
-        for (int64_t t = 1; t < len; ++t) m = std::max(m, sc[t]);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) {
-          sc[t] = std::exp(sc[t] - m);
-          sum += sc[t];
-        }
-        const float inv = 1.f / sum;
+        const float m = tandem_cpu::max_of(sc, len, sc[0]);  // len >= 1: the new token itself
+        const float inv = 1.f / tandem_cpu::exp_shift_sum(sc, len, m);
 #pragma omp simd
         for (int64_t t = 0; t < len; ++t) sc[t] *= inv;
       }

@@ -29,6 +29,8 @@
 #include <limits>
 #include <vector>
 
+#include "vec_math.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -87,47 +89,46 @@ inline const float* value_row(const float* const* vb, int64_t r, int64_t row_str
   return vb[r / kBlock] + (r % kBlock) * row_stride;
 }
 
+#if defined(__AVX512F__)
+// d = 16 N: two interleaved sets of N sums (2N multiply-add chains), N known at compile
+// time so that the sums stay in registers.
+template <int N>
+void add_values_fixed(float* o, float correction, const float* p, int64_t visible, const float* const* vb,
+                      int64_t row_stride) {
+  __m512 a0[N], a1[N];
+  constexpr int n = N;
+  const __m512 c = _mm512_set1_ps(correction);
+  for (int i = 0; i < n; ++i) {
+    a0[i] = _mm512_mul_ps(_mm512_loadu_ps(o + 16 * i), c);
+    a1[i] = _mm512_setzero_ps();
+  }
+  int64_t r = 0;
+  for (; r + 2 <= visible; r += 2) {
+    const __m512 p0 = _mm512_set1_ps(p[r]), p1 = _mm512_set1_ps(p[r + 1]);
+    const float* v0 = value_row(vb, r, row_stride);
+    const float* v1 = value_row(vb, r + 1, row_stride);
+    for (int i = 0; i < n; ++i) {
+      a0[i] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * i), a0[i]);
+      a1[i] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * i), a1[i]);
+    }
+  }
+  if (r < visible) {
+    const __m512 p0 = _mm512_set1_ps(p[r]);
+    const float* v0 = value_row(vb, r, row_stride);
+    for (int i = 0; i < n; ++i) a0[i] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * i), a0[i]);
+  }
+  for (int i = 0; i < n; ++i) _mm512_storeu_ps(o + 16 * i, _mm512_add_ps(a0[i], a1[i]));
+}
+#endif
+
 void add_values(float* o, int64_t d, float correction, const float* p, int64_t visible, const float* const* vb,
                 int64_t row_stride) {
 #if defined(__AVX512F__)
-  if (d % 16 == 0 && d <= 64) {  // two interleaved sets of sums: 2 x d/16 multiply-add chains
-    __m512 a0[4], a1[4];
-    const int64_t n = d / 16;
-    const __m512 c = _mm512_set1_ps(correction);
-    for (int64_t i = 0; i < n; ++i) {
-      a0[i] = _mm512_mul_ps(_mm512_loadu_ps(o + 16 * i), c);
-      a1[i] = _mm512_setzero_ps();
-    }
-    int64_t r = 0;
-    for (; r + 2 <= visible; r += 2) {
-      const __m512 p0 = _mm512_set1_ps(p[r]), p1 = _mm512_set1_ps(p[r + 1]);
-      const float* v0 = value_row(vb, r, row_stride);
-      const float* v1 = value_row(vb, r + 1, row_stride);
-      for (int64_t i = 0; i < n; ++i) {
-        a0[i] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * i), a0[i]);
-        a1[i] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * i), a1[i]);
-      }
-    }
-    if (r < visible) {
-      const __m512 p0 = _mm512_set1_ps(p[r]);
-      const float* v0 = value_row(vb, r, row_stride);
-      for (int64_t i = 0; i < n; ++i) a0[i] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * i), a0[i]);
-    }
-    for (int64_t i = 0; i < n; ++i) _mm512_storeu_ps(o + 16 * i, _mm512_add_ps(a0[i], a1[i]));
-    return;
-  }
-  if (d % 16 == 0 && d <= 128) {
-    __m512 acc[8];
-    const int64_t n = d / 16;
-    const __m512 c = _mm512_set1_ps(correction);
-    for (int64_t i = 0; i < n; ++i) acc[i] = _mm512_mul_ps(_mm512_loadu_ps(o + 16 * i), c);
-    for (int64_t r = 0; r < visible; ++r) {
-      const __m512 pr = _mm512_set1_ps(p[r]);
-      const float* vr = value_row(vb, r, row_stride);
-      for (int64_t i = 0; i < n; ++i) acc[i] = _mm512_fmadd_ps(pr, _mm512_loadu_ps(vr + 16 * i), acc[i]);
-    }
-    for (int64_t i = 0; i < n; ++i) _mm512_storeu_ps(o + 16 * i, acc[i]);
-    return;
+  switch (d) {
+    case 32: add_values_fixed<2>(o, correction, p, visible, vb, row_stride); return;
+    case 64: add_values_fixed<4>(o, correction, p, visible, vb, row_stride); return;
+    case 128: add_values_fixed<8>(o, correction, p, visible, vb, row_stride); return;
+    default: break;
   }
 #endif
 #pragma omp simd
@@ -236,17 +237,9 @@ void prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, con
         for (int64_t row = first_row; row < rows; ++row) {
           const int64_t visible = std::min(nk, row_pos[row] - k0 + 1);
           float* p = sc.data() + row * span;
-          float m = row_max[row];
-#pragma omp simd reduction(max : m)
-          for (int64_t r = 0; r < visible; ++r) m = std::max(m, p[r]);
+          const float m = tandem_cpu::max_of(p, visible, row_max[row]);
           const float correction = std::exp(row_max[row] - m);  // 0 on the first span (-inf)
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t r = 0; r < visible; ++r) {
-            const float e = std::exp(p[r] - m);
-            p[r] = e;
-            sum += e;
-          }
+          const float sum = tandem_cpu::exp_shift_sum(p, visible, m);
           row_max[row] = m;
           row_sum[row] = row_sum[row] * correction + sum;
           add_values(acc.data() + row * d, d, correction, p, visible, vb, row_stride);
