@@ -385,6 +385,54 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 // out[r] = the first index of row r's maximum. Two passes over a row (a vectorized max,
 // then a scan for it) that stays in L2. Rows with NaNs (undefined under -ffast-math)
 // still get an index inside the row.
+// First index of the largest of x[0..v). One pass: four chains of sixteen lanes each keep
+// their running max and its index (a strict > keeps a lane's first occurrence); ties
+// between lanes go to the smaller index.
+inline int64_t argmax_row(const float* x, int64_t v) {
+  int64_t i = 0;
+  float best = x[0];
+  int64_t idx = 0;
+#if defined(__AVX512F__)
+  constexpr int64_t L = 16, C = 4;
+  if (v >= L * C) {
+    __m512 val[C];
+    __m512i pos[C];
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int c = 0; c < C; ++c) {
+      val[c] = _mm512_loadu_ps(x + c * L);
+      pos[c] = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(c * L)));
+    }
+    for (i = L * C; i + L * C <= v; i += L * C) {
+      for (int c = 0; c < C; ++c) {
+        const __m512 xv = _mm512_loadu_ps(x + i + c * L);
+        const __mmask16 gt = _mm512_cmp_ps_mask(xv, val[c], _CMP_GT_OQ);
+        val[c] = _mm512_mask_blend_ps(gt, val[c], xv);
+        pos[c] = _mm512_mask_blend_epi32(gt, pos[c], _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(i + c * L))));
+      }
+    }
+    alignas(64) float vals[C * L];
+    alignas(64) int32_t poss[C * L];
+    for (int c = 0; c < C; ++c) {
+      _mm512_store_ps(vals + c * L, val[c]);
+      _mm512_store_epi32(poss + c * L, pos[c]);
+    }
+    best = vals[0];
+    idx = poss[0];
+    for (int64_t l = 1; l < C * L; ++l)
+      if (vals[l] > best || (vals[l] == best && poss[l] < idx)) {
+        best = vals[l];
+        idx = poss[l];
+      }
+  }
+#endif
+  for (; i < v; ++i)
+    if (x[i] > best) {
+      best = x[i];
+      idx = i;
+    }
+  return idx;
+}
+
 void argmax_rows(const at::Tensor& logits, at::Tensor out) {
   TORCH_CHECK(logits.device().is_cpu() && out.device().is_cpu(), "argmax_rows: tensors must be on the CPU");
   TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1 && logits.size(1) > 0,
@@ -395,32 +443,7 @@ void argmax_rows(const at::Tensor& logits, at::Tensor out) {
   const float* base = logits.data_ptr<float>();
   int64_t* o = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, std::max<int64_t>(1, 16384 / v), [&](int64_t begin, int64_t end) {
-    constexpr int64_t L = 16;  // lanes: the compiler keeps these in one vector register
-    for (int64_t r = begin; r < end; ++r) {
-      const float* x = base + r * stride;
-      const int64_t body = v - v % L;
-      float lane[L];
-      for (int64_t l = 0; l < L; ++l) lane[l] = x[0];
-      for (int64_t i = 0; i < body; i += L) {
-        for (int64_t l = 0; l < L; ++l) lane[l] = lane[l] > x[i + l] ? lane[l] : x[i + l];
-      }
-      float m = x[0];
-      for (int64_t l = 0; l < L; ++l) m = lane[l] > m ? lane[l] : m;
-      for (int64_t i = body; i < v; ++i) m = x[i] > m ? x[i] : m;
-      int64_t idx = 0, i = 0;
-      for (; i < body; i += L) {  // the first block holding m, a vector compare per block
-        bool hit = false;
-        for (int64_t l = 0; l < L; ++l) hit |= x[i + l] == m;
-        if (hit) break;
-      }
-      for (; i < v; ++i) {
-        if (x[i] == m) {
-          idx = i;
-          break;
-        }
-      }
-      o[r] = idx;
-    }
+    for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(base + r * stride, v);
   });
 }
 
