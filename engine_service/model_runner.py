@@ -105,49 +105,53 @@ class ModelRunner:
     def _prepare(self, sched: SchedulerOutput) -> BatchInputs:
         bs = self.block_size
         num_seqs = len(sched.scheduled)
-        token_chunks: list[list[int]] = []
-        position_chunks: list[np.ndarray] = []
-        slot_chunks: list[np.ndarray] = []
+        # Flat token-level inputs. A decode row (one token) is a few Python int ops; a
+        # chunk of many tokens computes its slots with numpy.
+        tokens: list[int] = []
+        positions_l: list[int] = []
+        slots: list[int] = []
         tables: list[list[int]] = []
-        query_start = np.zeros(num_seqs + 1, dtype=np.int32)
-        seq_lens = np.zeros(num_seqs, dtype=np.int32)
+        query_start = [0] * (num_seqs + 1)
+        seq_lens = [0] * num_seqs
         sample_rows: list[int] = []
         sample_idx: list[int] = []
         pool_idx: list[int] = []
         for i, entry in enumerate(sched.scheduled):
             request = entry.request
             start, n = request.num_computed_tokens, entry.num_new_tokens
-            token_chunks.append(request.all_token_ids[start : start + n])
-            pos = np.arange(start, start + n, dtype=np.int64)
             block_ids = self.kv.block_ids(request.request_id)
-            table = np.asarray(block_ids, dtype=np.int64)
-            position_chunks.append(pos)
-            slot_chunks.append(table[pos // bs] * bs + pos % bs)
+            tokens.extend(request.all_token_ids[start : start + n])
+            if n == 1:
+                positions_l.append(start)
+                slots.append(block_ids[start // bs] * bs + start % bs)
+            else:
+                pos = np.arange(start, start + n, dtype=np.int64)
+                positions_l.extend(range(start, start + n))
+                slots.extend((np.asarray(block_ids, dtype=np.int64)[pos // bs] * bs + pos % bs).tolist())
             tables.append(block_ids)
             query_start[i + 1] = query_start[i] + n
             seq_lens[i] = start + n
             if request.pooling_params is not None:
                 pool_idx.append(i)
             elif entry.samples:
-                sample_rows.append(int(query_start[i + 1]) - 1)
+                sample_rows.append(query_start[i + 1] - 1)
                 sample_idx.append(i)
         max_blocks = max(len(t) for t in tables)
-        block_table = np.zeros((num_seqs, max_blocks), dtype=np.int32)
-        for i, t in enumerate(tables):
-            block_table[i, : len(t)] = t
+        block_table: list[int] = []  # [num_seqs * max_blocks], rows zero-padded
+        for t in tables:
+            block_table += t
+            block_table += [0] * (max_blocks - len(t))
         dev = self.device
-        input_ids = torch.tensor(
-            [t for chunk in token_chunks for t in chunk], dtype=torch.int64, device=dev
-        )
+        input_ids = torch.tensor(tokens, dtype=torch.int64, device=dev)
         attn = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slot_chunks)).to(dev),
-            block_tables=torch.from_numpy(block_table).to(dev),
-            query_start_loc=torch.from_numpy(query_start).to(dev),
-            seq_lens=torch.from_numpy(seq_lens).to(dev),
-            max_query_len=int((query_start[1:] - query_start[:-1]).max()),
-            max_seq_len=int(seq_lens.max()),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(block_table, dtype=torch.int32, device=dev).view(num_seqs, max_blocks),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            max_query_len=max(entry.num_new_tokens for entry in sched.scheduled),
+            max_seq_len=max(seq_lens),
         )
-        positions = torch.from_numpy(np.concatenate(position_chunks)).to(dev)
+        positions = torch.tensor(positions_l, dtype=torch.int64, device=dev)
         batch = BatchInputs(input_ids, positions, attn, sample_rows, sample_idx, pool_idx)
         for i, entry in enumerate(sched.scheduled):
             request = entry.request
