@@ -286,6 +286,10 @@ class Roofline:
     head_flops_per_token: float  # 2 x the LM head: once per sampled token
     weight_bytes: float  # bytes read per forward step: every parameter used, once
     limits: MachineLimits
+    # Attention, per (query token, visible key) pair over all layers: the QK^T and PV
+    # multiply-adds of every query head, and the key + value bytes one cached token holds.
+    attention_flops_per_pair: float = 0.0
+    kv_bytes_per_token: float = 0.0
 
     @classmethod
     def for_model(cls, model_dir: str, limits: MachineLimits, bytes_per_param: int = 4) -> Roofline:
@@ -305,7 +309,17 @@ class Roofline:
         tied = config.get("tie_word_embeddings", False)
         # The embedding is a lookup; the LM head (the same matrix when tied) a matmul.
         body = total - embed - (0 if tied else embed)
-        return cls(2.0 * body, 2.0 * embed, (body + embed) * bytes_per_param, limits)
+        layers, heads = config["num_hidden_layers"], config["num_attention_heads"]
+        head_dim = config.get("head_dim") or config["hidden_size"] // heads
+        kv_heads = config.get("num_key_value_heads", heads)
+        return cls(
+            2.0 * body,
+            2.0 * embed,
+            (body + embed) * bytes_per_param,
+            limits,
+            attention_flops_per_pair=4.0 * head_dim * heads * layers,
+            kv_bytes_per_token=2.0 * kv_heads * head_dim * layers * 4,  # float32 cache
+        )
 
     @property
     def flops_per_token(self) -> float:
@@ -323,5 +337,25 @@ class Roofline:
         return min(compute, weight_bound)
 
     def workload_seconds(self, prompt_tokens: int, output_tokens: int, batch: int) -> float:
-        """Least time for a workload: prompt tokens compute-bound, outputs at ``batch``."""
+        """Least time for a workload: prompt tokens compute-bound, outputs at ``batch``
+        (weights and their matmuls only: attention is left out)."""
         return prompt_tokens / self.prefill_tokens_per_s() + output_tokens / self.decode_tokens_per_s(batch)
+
+    def workload_seconds_with_attention(self, prompt_lens: Sequence[int], output_lens: Sequence[int], batch: int) -> float:
+        """``workload_seconds`` plus the attention every request needs: causal prefill
+        FLOPs over its prompt, and for each later output token the FLOPs over its context
+        and one read of that context's cached keys and values. Prefill is compute-bound;
+        decode, at ``batch`` sequences per step, takes the longer of its FLOPs at the
+        matmul rate and its bytes (weights once per step, every context's KV) at the
+        copy bandwidth."""
+        pairs_prefill = sum(p * (p + 1) / 2 for p in prompt_lens)
+        # The first output token comes from the prefill; token j >= 1 sees p + j keys.
+        contexts = sum(max(0, o - 1) * p + max(0, o - 1) * o / 2 for p, o in zip(prompt_lens, output_lens))
+        decode_tokens = sum(max(0, o - 1) for o in output_lens)
+        rate = self.limits.matmul_gflops * 1e9
+        prefill = (sum(prompt_lens) * self.body_flops_per_token + pairs_prefill * self.attention_flops_per_pair) / rate
+        prefill += len(prompt_lens) * self.head_flops_per_token / rate  # the first tokens' LM head
+        decode_flops = decode_tokens * self.flops_per_token + contexts * self.attention_flops_per_pair
+        decode_bytes = decode_tokens / batch * self.weight_bytes + contexts * self.kv_bytes_per_token
+        decode = max(decode_flops / rate, decode_bytes / (self.limits.copy_gbps * 1e9))
+        return prefill + decode

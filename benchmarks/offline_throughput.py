@@ -503,6 +503,14 @@ def main(argv: list[str] | None = None) -> int:
         f"roofline for this workload: {bound_s:.1f} s, i.e. {wl.output_tokens / bound_s:.0f} output "
         f"tok/s; Tandem reaches {100 * bound_s / tandem.seconds:.0f}% of it"
     )
+    bound_attn_s = roof.workload_seconds_with_attention(
+        [len(p) for p in wl.prompts], wl.max_tokens, decode_batch
+    )
+    print(
+        f"roofline with attention (prefill attention FLOPs, decode KV-cache reads): {bound_attn_s:.1f} s, "
+        f"i.e. {wl.output_tokens / bound_attn_s:.0f} output tok/s; Tandem reaches "
+        f"{100 * bound_attn_s / tandem.seconds:.0f}% of it"
+    )
     decode_fraction = None
     if engine_info["decode_only_steps"]:
         d_steps, d_tokens = engine_info["decode_only_steps"], engine_info["decode_only_tokens"]
@@ -558,6 +566,8 @@ def main(argv: list[str] | None = None) -> int:
                 "decode_batch": decode_batch,
                 "workload_seconds": bound_s,
                 "tandem_fraction": bound_s / tandem.seconds,
+                "workload_seconds_with_attention": bound_attn_s,
+                "tandem_fraction_with_attention": bound_attn_s / tandem.seconds,
                 "tandem_decode_fraction": decode_fraction,
             },
         }

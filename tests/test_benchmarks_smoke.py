@@ -80,6 +80,7 @@ def test_roofline_is_reported(smoke_run: tuple[str, dict]) -> None:
     # The bound rests on rates measured in the same run, so only its sign is certain.
     assert roof["workload_seconds"] > 0 and roof["tandem_fraction"] > 0
     assert "roofline for this workload" in stdout
+    assert roof["workload_seconds_with_attention"] > 0 and "roofline with attention" in stdout
 
 
 def test_smg_serving_benchmark_runs_both_front_doors(tmp_path: Path) -> None:
@@ -172,3 +173,24 @@ def test_grpc_hop_parts_run_and_agree(tokenizer: Any) -> None:
     assert ser["protobuf_bytes"] > 8
     front = grpc_hop.bench_frontend_step(tokenizer, 8, repeats=3)
     assert front["columns_us"] > 0 and front["objects_us"] > 0
+
+
+def test_roofline_with_attention_counts_prefill_pairs_and_decode_kv_reads() -> None:
+    """One request, 4 prompt tokens, 3 outputs, on a machine of 1 GFLOP/s and 1 GB/s."""
+    from benchmarks.common import MachineLimits, Roofline
+
+    roof = Roofline(
+        body_flops_per_token=10.0,
+        head_flops_per_token=5.0,
+        weight_bytes=100.0,
+        limits=MachineLimits(matmul_gflops=1.0, copy_gbps=1.0),
+        attention_flops_per_pair=2.0,
+        kv_bytes_per_token=7.0,
+    )
+    # Prefill: 4 x 10 body + 10 causal pairs x 2 + one LM head of 5 = 65 FLOPs.
+    # Decode: outputs 2 and 3 see 5 and 6 keys: 2 x 15 FLOPs + 11 pairs x 2 = 52 FLOPs;
+    # bytes at batch 1: 2 steps x 100 of weights + 11 cached tokens x 7 = 277 (the bound).
+    got = roof.workload_seconds_with_attention([4], [3], batch=1)
+    assert got == pytest.approx((65 + 277) * 1e-9)
+    # At batch 2 the weights are read once per two tokens: 100 + 77 bytes.
+    assert roof.workload_seconds_with_attention([4], [3], batch=2) == pytest.approx((65 + 177) * 1e-9)
