@@ -65,7 +65,16 @@ def allocate_kv_caches(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     # per layer: K and V, each [num_blocks, block_size, num_kv_heads, head_dim]
     shape = (num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
-    # Zeros, not empty: masked-out slots are still multiplied by 0 in attention.
+    # Zeros, not empty: masked-out slots are still multiplied by 0 in attention. On CPU,
+    # huge pages: once the block pool is fragmented a decode step jumps between blocks
+    # anywhere in the cache (a TLB miss every 4 KiB page otherwise).
+    if device.type == "cpu":
+        from kernels.cpu_ops import zeros_on_huge_pages
+
+        return [
+            (zeros_on_huge_pages(shape, dtype), zeros_on_huge_pages(shape, dtype))
+            for _ in range(model_config.num_layers)
+        ]
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(model_config.num_layers)

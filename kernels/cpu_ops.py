@@ -53,7 +53,13 @@ logger = logging.getLogger(__name__)
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _SOURCES = [
     os.path.join(_CSRC, name)
-    for name in ("paged_attention_cpu.cpp", "prefill_attention_cpu.cpp", "panel_linear_cpu.cpp", "decode_layers_cpu.cpp")
+    for name in (
+        "paged_attention_cpu.cpp",
+        "prefill_attention_cpu.cpp",
+        "panel_linear_cpu.cpp",
+        "decode_layers_cpu.cpp",
+        "huge_pages_cpu.cpp",
+    )
 ]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 # How long a process waits for another's build of the same extension before giving up
@@ -217,6 +223,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
     out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=torch.float32)
     torch.ops.tandem_cpu.silu_and_mul(out, gate_up)
     return out
+
+
+def zeros_on_huge_pages(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor on transparent huge pages where the kernel offers them (see
+    ``kernels/csrc/huge_pages_cpu.cpp``); plain ``torch.zeros`` without the extension."""
+    if not native_available():
+        return torch.zeros(tuple(shape), dtype=dtype)
+    return torch.ops.tandem_cpu.empty_huge(list(shape), dtype).zero_()
 
 
 def _rows(t: torch.Tensor, d: int) -> torch.Tensor:  # [..., d] -> [rows, d], rows contiguous

@@ -231,3 +231,17 @@ def test_packed_linear_matches_f_linear(dtype: torch.dtype, bias: bool) -> None:
                                    msg=f"seed={seed} m={m}")
     with pytest.raises(ValueError, match="2-D"):
         pack_weight(weight[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zeros_on_huge_pages(dtype: torch.dtype) -> None:
+    """The KV cache's allocation: zeroed, 2 MiB-aligned, an ordinary writable tensor."""
+    shape = (37, 16, 3, 64)
+    t = cpu_ops.zeros_on_huge_pages(shape, dtype)
+    assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
+    assert t.data_ptr() % (2 << 20) == 0
+    assert not t.any()
+    t[-1, -1] = 1.5
+    assert float(t.float().sum()) == 1.5 * 3 * 64
+    with pytest.raises(RuntimeError, match="negative"):
+        torch.ops.tandem_cpu.empty_huge([2, -1], torch.float32)
