@@ -46,3 +46,19 @@ def test_stale_torch_lock_file_does_not_block_the_build(tmp_path: object) -> Non
     assert done.returncode == 0, done.stderr
     # Gone, or a newer one: another process on this machine building or loading right now.
     assert not os.path.exists(stale) or os.stat(stale).st_mtime_ns > planted
+
+
+def test_package_data_ships_every_kernel_source() -> None:
+    """A non-editable install (the Docker image's `pip install .`) builds the kernels from
+    the installed files: every source and header in kernels/csrc must be package data."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["kernels"]
+    files = sorted(p.relative_to(root / "kernels").as_posix() for p in (root / "kernels" / "csrc").iterdir())
+    missing = [f for f in files if not any(fnmatch.fnmatch(f, g) for g in globs)]
+    assert files and not missing, f"not in [tool.setuptools.package-data] kernels: {missing}"
+    sources = {os.path.basename(s) for s in cpu_ops._SOURCES}
+    assert sources == {os.path.basename(f) for f in files if f.endswith(".cpp")}, "a .cpp file is not built"
