@@ -19,6 +19,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -68,7 +69,8 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up) {
         _mm512_storeu_ps(orow + i, _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(one, e)), _mm512_loadu_ps(ur + i)));
       }
 #endif
-      for (; i < inter; ++i) orow[i] = gr[i] / (1.f + std::exp(-gr[i])) * ur[i];
+#pragma omp simd  // e^-g saturated as exp512 does: 1 / (1 + inf) under -ffast-math is NaN
+      for (int64_t j = i; j < inter; ++j) orow[j] = gr[j] / (1.f + std::exp(std::min(-gr[j], 88.f))) * ur[j];
     }
   });
 }

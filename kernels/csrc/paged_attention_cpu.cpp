@@ -382,12 +382,11 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   });
 }
 
-// out[r] = the first index of row r's maximum. Two passes over a row (a vectorized max,
-// then a scan for it) that stays in L2. Rows with NaNs (undefined under -ffast-math)
+// First index of the largest of x[0..v). Rows with NaNs (undefined under -ffast-math)
 // still get an index inside the row.
-// First index of the largest of x[0..v). One pass: four chains of sixteen lanes each keep
-// their running max and its index (a strict > keeps a lane's first occurrence); ties
-// between lanes go to the smaller index.
+// AVX-512: one pass, four chains of sixteen lanes each keeping their running max and its
+// index (a strict > keeps a lane's first occurrence); ties between lanes go to the smaller
+// index. Portable: two passes the compiler vectorizes (the max, then a scan for it).
 inline int64_t argmax_row(const float* x, int64_t v) {
   int64_t i = 0;
   float best = x[0];
@@ -424,15 +423,36 @@ inline int64_t argmax_row(const float* x, int64_t v) {
         idx = poss[l];
       }
   }
-#endif
   for (; i < v; ++i)
     if (x[i] > best) {
       best = x[i];
       idx = i;
     }
   return idx;
+#else
+  constexpr int64_t L = 16;  // lanes: the compiler keeps these in one vector register
+  const int64_t body = v - v % L;
+  float lane[L];
+  for (int64_t l = 0; l < L; ++l) lane[l] = x[0];
+  for (i = 0; i < body; i += L)
+    for (int64_t l = 0; l < L; ++l) lane[l] = lane[l] > x[i + l] ? lane[l] : x[i + l];
+  for (int64_t l = 0; l < L; ++l) best = lane[l] > best ? lane[l] : best;
+  for (i = body; i < v; ++i) best = x[i] > best ? x[i] : best;
+  for (i = 0; i < body; i += L) {  // the first block holding the max, a vector compare per block
+    bool hit = false;
+    for (int64_t l = 0; l < L; ++l) hit |= x[i + l] == best;
+    if (hit) break;
+  }
+  for (; i < v; ++i)
+    if (x[i] == best) {
+      idx = i;
+      break;
+    }
+  return idx;
+#endif
 }
 
+// out[r] = argmax_row(logits[r]).
 void argmax_rows(const at::Tensor& logits, at::Tensor out) {
   TORCH_CHECK(logits.device().is_cpu() && out.device().is_cpu(), "argmax_rows: tensors must be on the CPU");
   TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() == 2 && logits.stride(1) == 1 && logits.size(1) > 0,

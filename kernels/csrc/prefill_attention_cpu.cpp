@@ -96,9 +96,8 @@ template <int N>
 void add_values_fixed(float* o, float correction, const float* p, int64_t visible, const float* const* vb,
                       int64_t row_stride) {
   __m512 a0[N], a1[N];
-  constexpr int n = N;
   const __m512 c = _mm512_set1_ps(correction);
-  for (int i = 0; i < n; ++i) {
+  for (int i = 0; i < N; ++i) {
     a0[i] = _mm512_mul_ps(_mm512_loadu_ps(o + 16 * i), c);
     a1[i] = _mm512_setzero_ps();
   }
@@ -107,7 +106,7 @@ void add_values_fixed(float* o, float correction, const float* p, int64_t visibl
     const __m512 p0 = _mm512_set1_ps(p[r]), p1 = _mm512_set1_ps(p[r + 1]);
     const float* v0 = value_row(vb, r, row_stride);
     const float* v1 = value_row(vb, r + 1, row_stride);
-    for (int i = 0; i < n; ++i) {
+    for (int i = 0; i < N; ++i) {
       a0[i] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * i), a0[i]);
       a1[i] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * i), a1[i]);
     }
@@ -115,9 +114,9 @@ void add_values_fixed(float* o, float correction, const float* p, int64_t visibl
   if (r < visible) {
     const __m512 p0 = _mm512_set1_ps(p[r]);
     const float* v0 = value_row(vb, r, row_stride);
-    for (int i = 0; i < n; ++i) a0[i] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * i), a0[i]);
+    for (int i = 0; i < N; ++i) a0[i] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * i), a0[i]);
   }
-  for (int i = 0; i < n; ++i) _mm512_storeu_ps(o + 16 * i, _mm512_add_ps(a0[i], a1[i]));
+  for (int i = 0; i < N; ++i) _mm512_storeu_ps(o + 16 * i, _mm512_add_ps(a0[i], a1[i]));
 }
 #endif
 

@@ -50,6 +50,7 @@ inline float max_of(const float* p, int64_t n, float init) {
   return _mm512_reduce_max_ps(m);
 #else
   float m = init;
+#pragma omp simd reduction(max : m)
   for (int64_t i = 0; i < n; ++i) m = p[i] > m ? p[i] : m;
   return m;
 #endif
@@ -75,6 +76,7 @@ inline float exp_shift_sum(float* p, int64_t n, float m) {
   return _mm512_reduce_add_ps(s);
 #else
   float s = 0.f;
+#pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) {
     p[i] = std::exp(p[i] - m);
     s += p[i];
