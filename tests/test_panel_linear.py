@@ -36,7 +36,7 @@ def _random_case(gen: torch.Generator) -> tuple[int, int, int]:
 
 @pytest.mark.parametrize("quantize", [False, True])
 def test_panel_linear_matches_f_linear_on_random_shapes(quantize: bool) -> None:
-    """Shapes with every tail (rows not a multiple of the 8-row block, columns not a
+    """Shapes with every tail (rows not a multiple of the register block, columns not a
     multiple of 16 or 32, odd K), with and without bias, strided rows of x."""
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
     for _ in range(25):

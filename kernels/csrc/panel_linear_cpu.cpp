@@ -30,14 +30,25 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
 constexpr int64_t kLanes = 16;     // columns per panel
-constexpr int kMaxRows = 8;        // rows of x per register block
+// Rows of x per register block: 8 with 32 vector registers (and in the portable loops),
+// 6 with AVX2's 16.
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+constexpr int kMaxRows = 6;
+#else
+constexpr int kMaxRows = 8;
+#endif
+#if !defined(__AVX512BW__) && defined(__AVX2__)
+constexpr int kInt8Rows = 4;
+#else
+constexpr int kInt8Rows = 8;
+#endif
 constexpr int64_t kTilePanels = 2; // panels per tile
 constexpr int64_t kFloatPrefetchBytes = 2048;  // how far ahead a small batch asks for weights
 
@@ -108,6 +119,82 @@ inline void block_kernel(const float* x, int64_t ldx, const float* panel, int64_
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r)
       _mm512_mask_storeu_ps(out + r * ldo + col, mask, _mm512_fmadd_ps(acc[0][r][t], s, b));
+  }
+}
+
+#elif defined(__AVX2__) && defined(__FMA__)
+
+// AVX2 has 16 vector registers of 8 lanes: a panel row is two of them. One panel at a
+// time, a block of R <= 6 rows keeps its 2R sums in registers (at R = 6: 12 sums, the
+// panel row's two halves, one broadcast of x); with few rows, U interleaved sets (k mod
+// U) hide the multiply-add latency; `pf` is spread over this panel's k loop.
+template <int R, bool Stream>
+inline void panel_block_avx2(const float* x, int64_t ldx, const float* panel, int64_t k_size, const float* scale,
+                             const float* bias, float* out, int64_t ldo, int64_t col, int64_t n, Prefetch pf) {
+  constexpr int U = R >= 4 ? 1 : (R >= 2 ? 2 : 4);
+  __m256 acc[U][R][2];
+  for (int u = 0; u < U; ++u)
+    for (int r = 0; r < R; ++r) acc[u][r][0] = acc[u][r][1] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + U <= k_size; k += U) {
+    pf.step(U, k_size);
+    for (int u = 0; u < U; ++u) {
+      const float* row = panel + (k + u) * kLanes;
+      if constexpr (Stream) _mm_prefetch(reinterpret_cast<const char*>(row) + kFloatPrefetchBytes, _MM_HINT_T0);
+      const __m256 w0 = _mm256_loadu_ps(row), w1 = _mm256_loadu_ps(row + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k + u);
+        acc[u][r][0] = _mm256_fmadd_ps(xv, w0, acc[u][r][0]);
+        acc[u][r][1] = _mm256_fmadd_ps(xv, w1, acc[u][r][1]);
+      }
+    }
+  }
+  for (; k < k_size; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(panel + k * kLanes), w1 = _mm256_loadu_ps(panel + k * kLanes + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(x + r * ldx + k);
+      acc[0][r][0] = _mm256_fmadd_ps(xv, w0, acc[0][r][0]);
+      acc[0][r][1] = _mm256_fmadd_ps(xv, w1, acc[0][r][1]);
+    }
+  }
+  for (int u = 1; u < U; ++u)
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) acc[0][r][h] = _mm256_add_ps(acc[0][r][h], acc[u][r][h]);
+  // Stored one row at a time, scale and bias re-read from L1: with all 2R sums live, any
+  // more live registers here make the compiler spill the sums inside the k loop.
+  // (Fully unrolled: an array of sums indexed at run time would live in memory.)
+  const int64_t valid = std::min<int64_t>(kLanes, n - col);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const int64_t c = col + 8 * h;
+      __m256 v = acc[0][r][h];
+      if (valid == kLanes) {
+        if (scale) v = _mm256_mul_ps(v, _mm256_loadu_ps(scale + c));
+        if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + c));
+        _mm256_storeu_ps(out + r * ldo + c, v);
+      } else {  // the last panel: columns past n masked off
+        const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(valid - 8 * h)),
+                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        if (scale) v = _mm256_mul_ps(v, _mm256_maskload_ps(scale + c, m));
+        if (bias) v = _mm256_add_ps(v, _mm256_maskload_ps(bias + c, m));
+        _mm256_maskstore_ps(out + r * ldo + c, m, v);
+      }
+    }
+  }
+}
+
+// The tile's T panels one after another (the rows of x stay in L1 between them); the
+// first carries the next tile's prefetch.
+template <int R, int T, bool Stream>
+inline void block_kernel(const float* x, int64_t ldx, const float* panel, int64_t k_size, const float* scale,
+                         const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n, Prefetch pf) {
+  for (int t = 0; t < T; ++t) {
+    const int64_t col = n0 + t * kLanes;
+    if (col >= n) break;
+    panel_block_avx2<R, Stream>(x, ldx, panel + t * k_size * kLanes, k_size, scale, bias, out, ldo, col, n,
+                                t == 0 ? pf : Prefetch{});
   }
 }
 
@@ -190,8 +277,9 @@ void rows_kernel(int64_t rows, const float* x, int64_t ldx, const float* panel, 
 
 // Rows of x per chunk, so that the chunk a tile pass reuses stays in L2 (<= 256 KiB);
 // `row_bytes`: one row of x as the kernel reads it.
-int64_t rows_per_chunk(int64_t row_bytes) {
-  return std::max<int64_t>(kMaxRows, (256 * 1024 / std::max<int64_t>(row_bytes, 1)) / kMaxRows * kMaxRows);
+// `block`: the kernel's rows per register block (a chunk is a multiple of it).
+int64_t rows_per_chunk(int64_t row_bytes, int64_t block) {
+  return std::max<int64_t>(block, (256 * 1024 / std::max<int64_t>(row_bytes, 1)) / block * block);
 }
 
 // fn(r0, rows, tile, end) for every chunk of up to `row_chunk` rows and every tile; per
@@ -307,6 +395,58 @@ inline void int8_block_kernel(const int32_t* xq, int64_t k2, const float* xs, in
   }
 }
 
+#elif defined(__AVX2__)
+
+// AVX2 (no VNNI): a panel row (16 columns x 2 k of int8) widens to two registers of 8
+// columns' 16-bit pairs, and vpmaddwd sums each (x pair, w pair) product into int32,
+// added to the block's sums. One panel at a time: R x 2 int32 sums, the two weight
+// halves, x's broadcast pair and a product fit the 16 registers for R <= 4 (more rows spill).
+template <int R, int T>
+inline void int8_block_kernel(const int32_t* xq, int64_t k2, const float* xs, int64_t nb, const int8_t* panel,
+                              const float* scale, const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n) {
+  alignas(32) float accf[R][T][kLanes] = {};
+  const int64_t panel_stride = k2 * 2 * kLanes;
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t i0 = b * kBlockPairs, i1 = std::min(k2, (b + 1) * kBlockPairs);
+#pragma GCC unroll 2
+    for (int t = 0; t < T; ++t) {
+      __m256i iacc[R][2];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) iacc[r][0] = iacc[r][1] = _mm256_setzero_si256();
+      const int8_t* p = panel + t * panel_stride;
+      for (int64_t i = i0; i < i1; ++i) {
+        const int8_t* row = p + i * 2 * kLanes;
+        if (R <= 2 && (i & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16)));
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m256i xv = _mm256_set1_epi32(xq[r * k2 + i]);
+          iacc[r][0] = _mm256_add_epi32(iacc[r][0], _mm256_madd_epi16(w0, xv));
+          iacc[r][1] = _mm256_add_epi32(iacc[r][1], _mm256_madd_epi16(w1, xv));
+        }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256 step = _mm256_set1_ps(xs[r * nb + b]);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          float* a = accf[r][t] + 8 * h;
+          _mm256_store_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][h]), step, _mm256_load_ps(a)));
+        }
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t) {
+    const int64_t col = n0 + t * kLanes;
+    if (col >= n) break;
+    for (int64_t j = 0; j < std::min<int64_t>(kLanes, n - col); ++j) {
+      const float bv = bias ? bias[col + j] : 0.f;
+      for (int r = 0; r < R; ++r) out[r * ldo + col + j] = accf[r][t][j] * scale[col + j] + bv;
+    }
+  }
+}
+
 #else  // portable: the same integer arithmetic in plain loops
 
 template <int R, int T>
@@ -344,25 +484,29 @@ inline void int8_block_kernel(const int32_t* xq, int64_t k2, const float* xs, in
 
 #endif
 
+// int8_block_kernel<rows, T> for 1 <= rows <= kInt8Rows, the row count known at run time.
+template <int T, int R = 1>
+inline void int8_block_kernel_rows(int64_t rows, const int32_t* xq, int64_t k2, const float* xs, int64_t nb,
+                                   const int8_t* panel, const float* scale, const float* bias, float* out, int64_t ldo,
+                                   int64_t n0, int64_t n) {
+  if constexpr (R < kInt8Rows) {
+    if (rows != R) {
+      int8_block_kernel_rows<T, R + 1>(rows, xq, k2, xs, nb, panel, scale, bias, out, ldo, n0, n);
+      return;
+    }
+  }
+  int8_block_kernel<R, T>(xq, k2, xs, nb, panel, scale, bias, out, ldo, n0, n);
+}
+
 template <int T>
 void int8_rows_kernel(int64_t rows, const int32_t* xq, int64_t k2, const float* xs, int64_t nb, const int8_t* panel,
                       const float* scale, const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n) {
   int64_t r = 0;
-  for (; r + kMaxRows <= rows; r += kMaxRows)
-    int8_block_kernel<kMaxRows, T>(xq + r * k2, k2, xs + r * nb, nb, panel, scale, bias, out + r * ldo, ldo, n0, n);
-  const int32_t* xr = xq + r * k2;
-  const float* sr = xs + r * nb;
-  float* outr = out + r * ldo;
-  switch (rows - r) {
-    case 0: break;
-    case 1: int8_block_kernel<1, T>(xr, k2, sr, nb, panel, scale, bias, outr, ldo, n0, n); break;
-    case 2: int8_block_kernel<2, T>(xr, k2, sr, nb, panel, scale, bias, outr, ldo, n0, n); break;
-    case 3: int8_block_kernel<3, T>(xr, k2, sr, nb, panel, scale, bias, outr, ldo, n0, n); break;
-    case 4: int8_block_kernel<4, T>(xr, k2, sr, nb, panel, scale, bias, outr, ldo, n0, n); break;
-    case 5: int8_block_kernel<5, T>(xr, k2, sr, nb, panel, scale, bias, outr, ldo, n0, n); break;
-    case 6: int8_block_kernel<6, T>(xr, k2, sr, nb, panel, scale, bias, outr, ldo, n0, n); break;
-    default: int8_block_kernel<7, T>(xr, k2, sr, nb, panel, scale, bias, outr, ldo, n0, n); break;
-  }
+  for (; r + kInt8Rows <= rows; r += kInt8Rows)
+    int8_block_kernel<kInt8Rows, T>(xq + r * k2, k2, xs + r * nb, nb, panel, scale, bias, out + r * ldo, ldo, n0, n);
+  if (rows > r)
+    int8_block_kernel_rows<T>(rows - r, xq + r * k2, k2, xs + r * nb, nb, panel, scale, bias, out + r * ldo, ldo, n0,
+                              n);
 }
 
 void panel_linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels, const float* scale,
@@ -379,7 +523,7 @@ void panel_linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& p
   const int8_t* wp = panels.data_ptr<int8_t>();
   float* op = out.data_ptr<float>();
   const int64_t ldo = out.stride(0);
-  const int64_t row_chunk = rows_per_chunk(k2 * static_cast<int64_t>(sizeof(int32_t)));
+  const int64_t row_chunk = rows_per_chunk(k2 * static_cast<int64_t>(sizeof(int32_t)), kInt8Rows);
   const int64_t tile_work = std::max<int64_t>(1, std::min(m, row_chunk) * k2 * 2 * kTilePanels * kLanes);
   const int64_t grain = std::max<int64_t>(1, 131072 / tile_work);
   for_each_chunk_and_tile(m, row_chunk, num_tiles, grain, [&](int64_t r0, int64_t rows, int64_t tile, int64_t) {
@@ -403,7 +547,7 @@ void panel_linear_float(at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   const float* wp = panels.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t ldx = x.stride(0), ldo = out.stride(0);
-  const int64_t row_chunk = rows_per_chunk(k_size * static_cast<int64_t>(sizeof(float)));
+  const int64_t row_chunk = rows_per_chunk(k_size * static_cast<int64_t>(sizeof(float)), kMaxRows);
   // A chunk of work should hold >= ~64k multiply-adds to pay a thread hand-off.
   const int64_t tile_work = std::max<int64_t>(1, std::min(m, row_chunk) * k_size * kTilePanels * kLanes);
   const int64_t grain = std::max<int64_t>(1, 65536 / tile_work);
