@@ -31,7 +31,7 @@
 
 #include "vec_math.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -69,6 +69,47 @@ void block_scores(const float* q, int64_t rows, int64_t d, const float* kt, floa
     }
     for (; x < d; ++x) s0 = _mm512_fmadd_ps(_mm512_set1_ps(q[row * d + x]), _mm512_loadu_ps(kt + x * kBlock), s0);
     _mm512_storeu_ps(sc + row * sc_stride, _mm512_add_ps(s0, s1));
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  // Six rows at a time: 12 sums (a row's 16 scores are two registers), the key vector's
+  // two halves and a broadcast of q fit AVX2's 16 registers.
+  int64_t row = 0;
+  for (; row + 6 <= rows; row += 6) {
+    __m256 s[6][2];
+#pragma GCC unroll 6
+    for (int i = 0; i < 6; ++i) s[i][0] = s[i][1] = _mm256_setzero_ps();
+    for (int64_t x = 0; x < d; ++x) {
+      const __m256 k0 = _mm256_loadu_ps(kt + x * kBlock), k1 = _mm256_loadu_ps(kt + x * kBlock + 8);
+#pragma GCC unroll 6
+      for (int i = 0; i < 6; ++i) {
+        const __m256 qv = _mm256_broadcast_ss(q + (row + i) * d + x);
+        s[i][0] = _mm256_fmadd_ps(qv, k0, s[i][0]);
+        s[i][1] = _mm256_fmadd_ps(qv, k1, s[i][1]);
+      }
+    }
+#pragma GCC unroll 6
+    for (int i = 0; i < 6; ++i) {
+      _mm256_storeu_ps(sc + (row + i) * sc_stride, s[i][0]);
+      _mm256_storeu_ps(sc + (row + i) * sc_stride + 8, s[i][1]);
+    }
+  }
+  for (; row < rows; ++row) {  // two interleaved sets of sums per remaining row
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
+    int64_t x = 0;
+    for (; x + 2 <= d; x += 2) {
+      const __m256 q0 = _mm256_broadcast_ss(q + row * d + x), q1 = _mm256_broadcast_ss(q + row * d + x + 1);
+      a0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(kt + x * kBlock), a0);
+      a1 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(kt + x * kBlock + 8), a1);
+      b0 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(kt + (x + 1) * kBlock), b0);
+      b1 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(kt + (x + 1) * kBlock + 8), b1);
+    }
+    if (x < d) {
+      const __m256 q0 = _mm256_broadcast_ss(q + row * d + x);
+      a0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(kt + x * kBlock), a0);
+      a1 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(kt + x * kBlock + 8), a1);
+    }
+    _mm256_storeu_ps(sc + row * sc_stride, _mm256_add_ps(a0, b0));
+    _mm256_storeu_ps(sc + row * sc_stride + 8, _mm256_add_ps(a1, b1));
   }
 #else
   for (int64_t row = 0; row < rows; ++row) {
@@ -118,6 +159,43 @@ void add_values_fixed(float* o, float correction, const float* p, int64_t visibl
   }
   for (int i = 0; i < N; ++i) _mm512_storeu_ps(o + 16 * i, _mm512_add_ps(a0[i], a1[i]));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2: o[:8N] over the value rows' columns [col, col + 8N); S interleaved sets of N sums
+// (S N <= 8 registers of sums), N and S known at compile time.
+template <int N, int S>
+void add_values_fixed(float* o, float correction, const float* p, int64_t visible, const float* const* vb,
+                      int64_t row_stride, int64_t col) {
+  __m256 a[S][N];
+  const __m256 c = _mm256_set1_ps(correction);
+#pragma GCC unroll 8
+  for (int i = 0; i < N; ++i) {
+    a[0][i] = _mm256_mul_ps(_mm256_loadu_ps(o + 8 * i), c);
+#pragma GCC unroll 4
+    for (int j = 1; j < S; ++j) a[j][i] = _mm256_setzero_ps();
+  }
+  int64_t r = 0;
+  for (; r + S <= visible; r += S) {
+#pragma GCC unroll 4
+    for (int j = 0; j < S; ++j) {
+      const __m256 pj = _mm256_set1_ps(p[r + j]);
+      const float* v = value_row(vb, r + j, row_stride) + col;
+#pragma GCC unroll 8
+      for (int i = 0; i < N; ++i) a[j][i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * i), a[j][i]);
+    }
+  }
+  for (; r < visible; ++r) {
+    const __m256 pr = _mm256_set1_ps(p[r]);
+    const float* v = value_row(vb, r, row_stride) + col;
+#pragma GCC unroll 8
+    for (int i = 0; i < N; ++i) a[0][i] = _mm256_fmadd_ps(pr, _mm256_loadu_ps(v + 8 * i), a[0][i]);
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < N; ++i) {
+#pragma GCC unroll 4
+    for (int j = 1; j < S; ++j) a[0][i] = _mm256_add_ps(a[0][i], a[j][i]);
+    _mm256_storeu_ps(o + 8 * i, a[0][i]);
+  }
+}
 #endif
 
 void add_values(float* o, int64_t d, float correction, const float* p, int64_t visible, const float* const* vb,
@@ -127,6 +205,16 @@ void add_values(float* o, int64_t d, float correction, const float* p, int64_t v
     case 32: add_values_fixed<2>(o, correction, p, visible, vb, row_stride); return;
     case 64: add_values_fixed<4>(o, correction, p, visible, vb, row_stride); return;
     case 128: add_values_fixed<8>(o, correction, p, visible, vb, row_stride); return;
+    default: break;
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  switch (d) {
+    case 32: add_values_fixed<4, 2>(o, correction, p, visible, vb, row_stride, 0); return;
+    case 64: add_values_fixed<8, 1>(o, correction, p, visible, vb, row_stride, 0); return;
+    case 128:  // two passes over the keys, 64 columns each
+      add_values_fixed<8, 1>(o, correction, p, visible, vb, row_stride, 0);
+      add_values_fixed<8, 1>(o + 64, correction, p, visible, vb, row_stride, 64);
+      return;
     default: break;
   }
 #endif
