@@ -37,6 +37,10 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 template <int64_t D, typename T>
@@ -384,9 +388,10 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 
 // First index of the largest of x[0..v). Rows with NaNs (undefined under -ffast-math)
 // still get an index inside the row.
-// AVX-512: one pass, four chains of sixteen lanes each keeping their running max and its
-// index (a strict > keeps a lane's first occurrence); ties between lanes go to the smaller
-// index. Portable: two passes the compiler vectorizes (the max, then a scan for it).
+// AVX-512 (AVX2): one pass, four chains of sixteen (eight) lanes each keeping their running
+// max and its index (a strict > keeps a lane's first occurrence); ties between lanes go to
+// the smaller index. Portable: two passes the compiler vectorizes (the max, then a scan
+// for it).
 inline int64_t argmax_row(const float* x, int64_t v) {
   int64_t i = 0;
   float best = x[0];
@@ -414,6 +419,48 @@ inline int64_t argmax_row(const float* x, int64_t v) {
     for (int c = 0; c < C; ++c) {
       _mm512_store_ps(vals + c * L, val[c]);
       _mm512_store_epi32(poss + c * L, pos[c]);
+    }
+    best = vals[0];
+    idx = poss[0];
+    for (int64_t l = 1; l < C * L; ++l)
+      if (vals[l] > best || (vals[l] == best && poss[l] < idx)) {
+        best = vals[l];
+        idx = poss[l];
+      }
+  }
+  for (; i < v; ++i)
+    if (x[i] > best) {
+      best = x[i];
+      idx = i;
+    }
+  return idx;
+#elif defined(__AVX2__)
+  // The same one pass in eight-lane registers: a compare and two blends per vector.
+  constexpr int64_t L = 8, C = 4;
+  if (v >= L * C) {
+    __m256 val[C];
+    __m256i pos[C];
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int c = 0; c < C; ++c) {
+      val[c] = _mm256_loadu_ps(x + c * L);
+      pos[c] = _mm256_add_epi32(lanes, _mm256_set1_epi32(static_cast<int32_t>(c * L)));
+    }
+    for (i = L * C; i + L * C <= v; i += L * C) {
+#pragma GCC unroll 4
+      for (int c = 0; c < C; ++c) {
+        const __m256 xv = _mm256_loadu_ps(x + i + c * L);
+        const __m256 gt = _mm256_cmp_ps(xv, val[c], _CMP_GT_OQ);
+        val[c] = _mm256_blendv_ps(val[c], xv, gt);
+        const __m256i at = _mm256_add_epi32(lanes, _mm256_set1_epi32(static_cast<int32_t>(i + c * L)));
+        pos[c] = _mm256_castps_si256(
+            _mm256_blendv_ps(_mm256_castsi256_ps(pos[c]), _mm256_castsi256_ps(at), gt));
+      }
+    }
+    alignas(32) float vals[C * L];
+    alignas(32) int32_t poss[C * L];
+    for (int c = 0; c < C; ++c) {
+      _mm256_store_ps(vals + c * L, val[c]);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(poss + c * L), pos[c]);
     }
     best = vals[0];
     idx = poss[0];
