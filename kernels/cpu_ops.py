@@ -228,9 +228,15 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
 def zeros_on_huge_pages(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor on transparent huge pages where the kernel offers them (see
     ``kernels/csrc/huge_pages_cpu.cpp``); plain ``torch.zeros`` without the extension."""
+    return empty_on_huge_pages(shape, dtype).zero_()
+
+
+def empty_on_huge_pages(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised CPU tensor on transparent huge pages where the kernel offers them;
+    plain ``torch.empty`` without the extension."""
     if not native_available():
-        return torch.zeros(tuple(shape), dtype=dtype)
-    return torch.ops.tandem_cpu.empty_huge(list(shape), dtype).zero_()
+        return torch.empty(tuple(shape), dtype=dtype)
+    return torch.ops.tandem_cpu.empty_huge(list(shape), dtype)
 
 
 def _rows(t: torch.Tensor, d: int) -> torch.Tensor:  # [..., d] -> [rows, d], rows contiguous

@@ -19,7 +19,7 @@ it also measures the 16-bit rounding of ``x``): the kernel tests compare to it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -72,6 +72,36 @@ def pack_panels(weight: torch.Tensor, quantize: bool) -> PanelWeight:
         padded = F.pad(values, (0, 0, 0, num_panels * LANES - n))  # [16P, K]
         panels = padded.view(num_panels, LANES, k).transpose(1, 2)  # [P, K, 16]
     return PanelWeight(panels=panels.contiguous(), scale=scale, out_features=n, in_k=k)
+
+
+def onto_huge_pages(weights: list[PanelWeight]) -> list[PanelWeight]:
+    """The same weights with their panels copied into one buffer on transparent huge
+    pages (``kernels.cpu_ops.empty_on_huge_pages``), each panel tensor 64-byte aligned.
+
+    A decode step streams every weight once; with 4 KiB pages that is a TLB miss every
+    4 KiB (measured on a Zen 3 EPYC: 30 layers of bench-135m at batch 1, 20.1-21.1 -> 18.4-19.8 ms). One
+    buffer rather than one per weight: huge pages round each allocation up to 2 MiB.
+    The panels must share a dtype; the input weights' panels are left as they were.
+    """
+    from kernels.cpu_ops import empty_on_huge_pages
+
+    if not weights:
+        return []
+    dtype = weights[0].panels.dtype
+    if any(w.panels.dtype != dtype for w in weights):
+        raise ValueError("onto_huge_pages: the panels must share a dtype")
+    align = 64 // weights[0].panels.element_size()  # elements per 64 bytes
+    offsets, total = [], 0
+    for w in weights:
+        offsets.append(total)
+        total += -(-w.panels.numel() // align) * align
+    arena = empty_on_huge_pages((total,), dtype)
+    placed = []
+    for w, offset in zip(weights, offsets):
+        view = arena[offset : offset + w.panels.numel()].view(w.panels.shape)
+        view.copy_(w.panels)
+        placed.append(replace(w, panels=view))
+    return placed
 
 
 def unpack_panels(weight: PanelWeight) -> torch.Tensor:

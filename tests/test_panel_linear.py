@@ -14,6 +14,7 @@ from engine_service.models import decoder
 from kernels.cpu_ops import native_available
 from kernels.panel_linear import (
     LANES,
+    onto_huge_pages,
     pack_panels,
     panel_linear,
     panel_linear_reference,
@@ -213,3 +214,18 @@ def test_native_decode_step_equals_the_layer_by_layer_forward(
     for rid in results[0][1]:
         torch.testing.assert_close(torch.tensor(results[0][1][rid]), torch.tensor(results[1][1][rid]),
                                    atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_onto_huge_pages_keeps_every_weight_in_one_aligned_buffer(quantize: bool) -> None:
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    shapes = [(37, 19), (16, 64), (200, 33)]
+    weights = [pack_panels(torch.randn(n, k, generator=gen), quantize) for n, k in shapes]
+    placed = onto_huge_pages(weights)
+    storage = placed[0].panels.untyped_storage().data_ptr()
+    for before, after, (_, k) in zip(weights, placed, shapes):
+        assert torch.equal(before.panels, after.panels) and after.panels.is_contiguous()
+        assert after.panels.untyped_storage().data_ptr() == storage  # one buffer
+        assert after.panels.data_ptr() % 64 == 0
+        x = torch.randn(5, k, generator=gen)
+        torch.testing.assert_close(panel_linear(x, after, None), panel_linear(x, before, None), atol=0, rtol=0)

@@ -18,7 +18,7 @@ from engine_service.attention import AttentionMetadata
 from engine_service.models.rotary import build_cos_sin_cache
 from kernels.dispatch import KernelOps
 from kernels.onednn_linear import pack_weight, packed_linear
-from kernels.panel_linear import PanelWeight, pack_panels, panel_linear
+from kernels.panel_linear import PanelWeight, onto_huge_pages, pack_panels, panel_linear
 from tandem.protocol.model_config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
@@ -245,11 +245,18 @@ class DecoderForCausalLM(nn.Module):
         checkpoint's embedding lookup still needs the dense matrix, so tied models hold
         ``vocab_size x hidden_size`` once more (a quarter of it for int8).
         """
-        for module in self.modules():
-            if isinstance(module, FusedLinear):
-                module.pack(layout)
+        linears = [module for module in self.modules() if isinstance(module, FusedLinear)]
+        for module in linears:
+            module.pack(layout)
         self.lm_head_packed = pack_linear_weight(self.lm_head_weight, layout)
         self.lm_head = None  # untied: the packed copy replaces it; tied: None already
+        if layout in ("panel", "panel_int8"):  # every panel in one huge-page buffer
+            panel_linears = [m for m in linears if isinstance(m.packed_weight, PanelWeight)]
+            *placed, self.lm_head_packed = onto_huge_pages(
+                [m.packed_weight for m in panel_linears] + [self.lm_head_packed]
+            )
+            for module, weight in zip(panel_linears, placed):
+                module.packed_weight = weight
 
     @property
     def lm_head_weight(self) -> torch.Tensor:  # [vocab_size, hidden_size]
