@@ -392,10 +392,22 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
 // max and its index (a strict > keeps a lane's first occurrence); ties between lanes go to
 // the smaller index. Portable: two passes the compiler vectorizes (the max, then a scan
 // for it).
+// (best, idx) = the largest of n lane candidates, the smallest index among equals.
+inline void merge_lanes(const float* vals, const int32_t* poss, int64_t n, float& best, int64_t& idx) {
+  best = vals[0];
+  idx = poss[0];
+  for (int64_t l = 1; l < n; ++l)
+    if (vals[l] > best || (vals[l] == best && poss[l] < idx)) {
+      best = vals[l];
+      idx = poss[l];
+    }
+}
+
 inline int64_t argmax_row(const float* x, int64_t v) {
   int64_t i = 0;
   float best = x[0];
   int64_t idx = 0;
+#if defined(__AVX512F__) || defined(__AVX2__)
 #if defined(__AVX512F__)
   constexpr int64_t L = 16, C = 4;
   if (v >= L * C) {
@@ -420,22 +432,10 @@ inline int64_t argmax_row(const float* x, int64_t v) {
       _mm512_store_ps(vals + c * L, val[c]);
       _mm512_store_epi32(poss + c * L, pos[c]);
     }
-    best = vals[0];
-    idx = poss[0];
-    for (int64_t l = 1; l < C * L; ++l)
-      if (vals[l] > best || (vals[l] == best && poss[l] < idx)) {
-        best = vals[l];
-        idx = poss[l];
-      }
+    merge_lanes(vals, poss, C * L, best, idx);
   }
-  for (; i < v; ++i)
-    if (x[i] > best) {
-      best = x[i];
-      idx = i;
-    }
-  return idx;
-#elif defined(__AVX2__)
-  // The same one pass in eight-lane registers: a compare and two blends per vector.
+#else
+  // AVX2: the same one pass in eight-lane registers: a compare and two blends per vector.
   constexpr int64_t L = 8, C = 4;
   if (v >= L * C) {
     __m256 val[C];
@@ -462,14 +462,9 @@ inline int64_t argmax_row(const float* x, int64_t v) {
       _mm256_store_ps(vals + c * L, val[c]);
       _mm256_store_si256(reinterpret_cast<__m256i*>(poss + c * L), pos[c]);
     }
-    best = vals[0];
-    idx = poss[0];
-    for (int64_t l = 1; l < C * L; ++l)
-      if (vals[l] > best || (vals[l] == best && poss[l] < idx)) {
-        best = vals[l];
-        idx = poss[l];
-      }
+    merge_lanes(vals, poss, C * L, best, idx);
   }
+#endif
   for (; i < v; ++i)
     if (x[i] > best) {
       best = x[i];
