@@ -1,14 +1,15 @@
 """Linear layers over weights packed in 16-column panels (native CPU kernel).
 
 ``kernels/csrc/panel_linear_cpu.cpp`` computes ``x @ W.T * scale + bias`` reading the
-weight once per block of up to 8 rows of ``x``. It serves two cases:
+weight once per register block of rows of ``x`` (8 rows with AVX-512, 6 with AVX2; its
+build targets the CPU it runs on). It serves two cases:
 
 - **int8 weight-only quantization** (``--quantization int8``): ``W`` is stored as int8
   with one float32 scale per output channel (symmetric, ``scale = max|W[n, :]| / 127``);
   activations are not quantized to 8 bits: the kernel rounds each row of ``x`` to 16-bit
   fixed point per block of 256 columns (a step of 2^-15 of the block's largest value,
-  far below the int8 weights' own error) so that AVX-512 VNNI's 16-bit pair dot product
-  does the multiply-adds. A decode step reads a quarter of the fp32 bytes.
+  far below the int8 weights' own error) so that a 16-bit pair dot product (AVX-512
+  VNNI's, or AVX2's vpmaddwd) does the multiply-adds. A decode step reads a quarter of the fp32 bytes.
 - float32 panels, the same loop without the widening (the reference the int8 path is
   tested against, and a candidate for small batches).
 
@@ -79,8 +80,9 @@ def onto_huge_pages(weights: list[PanelWeight]) -> list[PanelWeight]:
     pages (``kernels.cpu_ops.empty_on_huge_pages``), each panel tensor 64-byte aligned.
 
     A decode step streams every weight once; with 4 KiB pages that is a TLB miss every
-    4 KiB (measured on a Zen 3 EPYC: 30 layers of bench-135m at batch 1, 20.1-21.1 -> 18.4-19.8 ms). One
-    buffer rather than one per weight: huge pages round each allocation up to 2 MiB.
+    4 KiB (measured on a Zen 3 EPYC: 30 layers of bench-135m at batch 1, 20.1-21.1 ->
+    18.4-19.8 ms). One buffer rather than one per weight: huge pages round each
+    allocation up to 2 MiB.
     The panels must share a dtype; the input weights' panels are left as they were.
     """
     from kernels.cpu_ops import empty_on_huge_pages

@@ -250,7 +250,7 @@ class DecoderForCausalLM(nn.Module):
             module.pack(layout)
         self.lm_head_packed = pack_linear_weight(self.lm_head_weight, layout)
         self.lm_head = None  # untied: the packed copy replaces it; tied: None already
-        if layout in ("panel", "panel_int8"):  # every panel in one huge-page buffer
+        if isinstance(self.lm_head_packed, PanelWeight):  # every panel in one huge-page buffer
             panel_linears = [m for m in linears if isinstance(m.packed_weight, PanelWeight)]
             *placed, self.lm_head_packed = onto_huge_pages(
                 [m.packed_weight for m in panel_linears] + [self.lm_head_packed]

@@ -386,12 +386,6 @@ void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tenso
   });
 }
 
-// First index of the largest of x[0..v). Rows with NaNs (undefined under -ffast-math)
-// still get an index inside the row.
-// AVX-512 (AVX2): one pass, four chains of sixteen (eight) lanes each keeping their running
-// max and its index (a strict > keeps a lane's first occurrence); ties between lanes go to
-// the smaller index. Portable: two passes the compiler vectorizes (the max, then a scan
-// for it).
 // (best, idx) = the largest of n lane candidates, the smallest index among equals.
 inline void merge_lanes(const float* vals, const int32_t* poss, int64_t n, float& best, int64_t& idx) {
   best = vals[0];
@@ -403,6 +397,12 @@ inline void merge_lanes(const float* vals, const int32_t* poss, int64_t n, float
     }
 }
 
+// First index of the largest of x[0..v). Rows with NaNs (undefined under -ffast-math)
+// still get an index inside the row.
+// AVX-512 (AVX2): one pass, four chains of sixteen (eight) lanes each keeping their running
+// max and its index (a strict > keeps a lane's first occurrence); ties between lanes go to
+// the smaller index. Portable: two passes the compiler vectorizes (the max, then a scan
+// for it).
 inline int64_t argmax_row(const float* x, int64_t v) {
   int64_t i = 0;
   float best = x[0];

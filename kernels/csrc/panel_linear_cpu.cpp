@@ -11,14 +11,16 @@
 //   out     [M, N] float32, rows contiguous
 //
 // One pass over the weights serves every row of x: a tile of 2 panels (32 columns) is
-// read once per block of up to 8 rows, the block's partial sums staying in 16 vector
-// registers while k runs. Threads split the tiles; a step too small to pay a thread
-// wake-up stays on one thread.
+// read once per block of up to kMaxRows rows (8 with AVX-512, whose sums fill 16 of its
+// 32 vector registers; 6 with AVX2, one panel at a time in 12 of its 16), the block's
+// partial sums staying in registers while k runs. Threads split the tiles; a step too
+// small to pay a thread wake-up stays on one thread.
 //
 // int8 weights (weight-only quantization, a quarter of the bytes a step reads): x is
 // rounded to 16-bit fixed point per row and per block of 256 k (step 2^-15 of the
 // block's largest |x|), and each (16-bit x, 8-bit w) pair product is summed in int32
-// (AVX-512 VNNI vpdpwssd: 32 multiply-adds an instruction, no widening to float); a
+// (AVX-512 VNNI vpdpwssd: 32 multiply-adds an instruction, no widening to float; AVX2:
+// vpmaddwd then an add, 16 per pair of instructions); a
 // block's int32 sums (< 2^31: 128 pairs x 2 x 127 x 32767) are scaled into float32.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
