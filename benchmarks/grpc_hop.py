@@ -13,6 +13,10 @@
     python benchmarks/grpc_hop.py                 # demo model, 64 requests
     python benchmarks/grpc_hop.py --smoke         # tiny model, a few requests
     python benchmarks/grpc_hop.py --hop-only      # parts 1 and 2 only
+
+Part 3 alternates the two sides (``--stack-repeats``, ABBA order): this VM's memory
+bandwidth drifts 20-30% within minutes, so one stack run against one in-process run
+measures the drift as much as the hop.
 """
 
 from __future__ import annotations
@@ -261,7 +265,34 @@ def _wait_ready(target: str, timeout: float) -> None:
     raise TimeoutError(f"frontend at {target} not SERVING after {timeout}s")
 
 
-def bench_stack(model: str, prompts: list[list[int]], max_tokens: int, engine_args: list[str]) -> dict[str, float]:
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of every thread of ``pid`` so far (from /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
+def bench_stack(
+    model: str, prompts: list[list[int]], max_tokens: int, engine_args: list[str], repeats: int = 3
+) -> dict[str, Any]:
+    """The workload through the full stack (this process is the gRPC client; ``tandem
+    serve`` runs the frontend and one engine process) and through an in-process ``LLM``
+    with the same engine settings, ``repeats`` times each, in ABBA order (stack, local,
+    local, stack, ...) so that drift of the machine's speed hits both sides alike. Both
+    stay loaded throughout; the idle one blocks on its input queue. Each side first runs
+    the workload once untimed.
+
+    Also the CPU seconds each stack process used during the stack runs: on a machine
+    where the engine's compute threads fill every core, the frontend's and the client's
+    work is what the stack takes from the engine."""
     from frontend_service import LLM, SamplingParams
 
     port, engine_port = _free_port(), _free_port()
@@ -269,31 +300,55 @@ def bench_stack(model: str, prompts: list[list[int]], max_tokens: int, engine_ar
            "--port", str(port), "--engine-base-port", str(engine_port), "--http-port", "0",
            "--", *engine_args]
     proc = subprocess.Popen(cmd)
-    try:
-        _wait_ready(f"127.0.0.1:{port}", 300)
-        asyncio.run(_grpc_workload(f"127.0.0.1:{port}", prompts[:2], 2))  # warm-up
-        start = time.perf_counter()
-        grpc_tokens = asyncio.run(_grpc_workload(f"127.0.0.1:{port}", prompts, max_tokens))
-        grpc_s = time.perf_counter() - start
-    finally:
-        proc.terminate()
-        proc.wait(30)
-
+    target = f"127.0.0.1:{port}"
     kwargs = {}
     for flag, value in zip(engine_args[::2], engine_args[1::2]):
         kwargs[flag.lstrip("-").replace("-", "_")] = int(value)
-    llm = LLM(model=model, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=2))  # warm-up
-    start = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    local_s = time.perf_counter() - start
-    local_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
-    grpc_tps, local_tps = grpc_tokens / grpc_s, local_tokens / local_s
+    runs: dict[str, list[float]] = {"grpc": [], "local": []}
+    cpu = {"client": 0.0, "frontend": 0.0, "engine": 0.0}
+    tokens = {"grpc": 0, "local": 0}
+    try:
+        _wait_ready(target, 300)
+        engine_pids = _children(proc.pid)
+        llm = LLM(model=model, **kwargs)
+        # Warm-up, untimed: the whole workload once on each side (first touch of the KV
+        # cache and the step buffers, first use of every batch shape).
+        asyncio.run(_grpc_workload(target, prompts, max_tokens))
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+
+        def run_grpc() -> None:
+            before = (time.process_time(), _cpu_seconds(proc.pid), sum(map(_cpu_seconds, engine_pids)))
+            start = time.perf_counter()
+            tokens["grpc"] = asyncio.run(_grpc_workload(target, prompts, max_tokens))
+            runs["grpc"].append(time.perf_counter() - start)
+            cpu["client"] += time.process_time() - before[0]
+            cpu["frontend"] += _cpu_seconds(proc.pid) - before[1]
+            cpu["engine"] += sum(map(_cpu_seconds, engine_pids)) - before[2]
+
+        def run_local() -> None:
+            start = time.perf_counter()
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            runs["local"].append(time.perf_counter() - start)
+            tokens["local"] = sum(len(c.token_ids) for o in outs for c in o.outputs)
+
+        for i in range(repeats):
+            for run in (run_grpc, run_local) if i % 2 == 0 else (run_local, run_grpc):
+                run()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    grpc_tps = [tokens["grpc"] / s for s in runs["grpc"]]
+    local_tps = [tokens["local"] / s for s in runs["local"]]
+    ratios = sorted(g / c for g, c in zip(grpc_tps, local_tps))
+    grpc_s = sum(runs["grpc"])
     return {
-        "grpc_tokens": grpc_tokens, "grpc_s": grpc_s, "grpc_tok_s": grpc_tps,
-        "local_tokens": local_tokens, "local_s": local_s, "local_tok_s": local_tps,
-        "ratio": grpc_tps / local_tps,
+        "grpc_tokens": tokens["grpc"], "local_tokens": tokens["local"],
+        "grpc_tok_s": grpc_tps, "local_tok_s": local_tps, "ratios": ratios,
+        "ratio": ratios[len(ratios) // 2],
+        "ratio_total": (tokens["grpc"] * repeats / grpc_s) / (tokens["local"] * repeats / sum(runs["local"])),
+        # Share of one core each process used while the stack ran.
+        "cpu_share": {name: seconds / grpc_s for name, seconds in cpu.items()},
     }
 
 
@@ -311,6 +366,8 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=0,
                     help="timed repeats of the serialization part (default 0: 1000, 200 with --smoke; "
                          "the frontend-step part runs a tenth as many)")
+    ap.add_argument("--stack-repeats", type=int, default=3,
+                    help="runs of the stack and of the in-process LLM each, interleaved (default 3)")
     ap.add_argument("--hop-only", action="store_true",
                     help="only parts 1 and 2 (serialization, frontend step), not the full stack (default off)")
     ap.add_argument("--json", default="")
@@ -358,11 +415,16 @@ def main() -> int:
     prompts = [[random.randrange(5, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
     engine_args = ["--max-model-len", "1024", "--kv-cache-memory-bytes", str(args.kv_cache_mib * 2**20),
                    "--num-threads", str(os.cpu_count() or 1)]
-    stack = bench_stack(model, prompts, args.max_tokens, engine_args)
-    print(f"\n{args.num_requests} requests x {args.prompt_len} prompt / {args.max_tokens} output tokens:")
-    print(f"  full gRPC stack   {stack['grpc_tok_s']:8.1f} output tok/s ({stack['grpc_s']:.2f}s)")
-    print(f"  in-process LLM    {stack['local_tok_s']:8.1f} output tok/s ({stack['local_s']:.2f}s)")
-    print(f"  ratio gRPC / in-process: {stack['ratio']:.2f}")
+    stack = bench_stack(model, prompts, args.max_tokens, engine_args, args.stack_repeats)
+    print(f"\n{args.num_requests} requests x {args.prompt_len} prompt / {args.max_tokens} output tokens,"
+          f" {args.stack_repeats} runs each, interleaved:")
+    print("  full gRPC stack   " + " ".join(f"{t:7.1f}" for t in stack["grpc_tok_s"]) + " output tok/s")
+    print("  in-process LLM    " + " ".join(f"{t:7.1f}" for t in stack["local_tok_s"]) + " output tok/s")
+    print("  ratio gRPC / in-process, pair by pair: " + " ".join(f"{r:.3f}" for r in stack["ratios"])
+          + f"; median {stack['ratio']:.3f}; all runs {stack['ratio_total']:.3f}")
+    share = stack["cpu_share"]
+    print(f"  CPU during the stack runs (cores): engine {share['engine']:.2f},"
+          f" frontend {share['frontend']:.2f}, client {share['client']:.2f}")
     _write_json(args.json, {**result, "stack": stack})
     return 0
 
