@@ -14,10 +14,12 @@ from engine_service.models import decoder
 from kernels.cpu_ops import native_available
 from kernels.panel_linear import (
     LANES,
+    PanelArena,
     onto_huge_pages,
     pack_panels,
     panel_linear,
     panel_linear_reference,
+    panels_shape,
     quantize_int8,
     unpack_panels,
 )
@@ -229,3 +231,41 @@ def test_onto_huge_pages_keeps_every_weight_in_one_aligned_buffer(quantize: bool
         assert after.panels.data_ptr() % 64 == 0
         x = torch.randn(5, k, generator=gen)
         torch.testing.assert_close(panel_linear(x, after, None), panel_linear(x, before, None), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_panel_arena_slots_follow_panels_shape_and_refuse_a_misfit(quantize: bool) -> None:
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    shapes = [tuple(int(torch.randint(1, 90, (), generator=gen)) for _ in range(2)) for _ in range(4)]
+    dtype = torch.int8 if quantize else torch.float32
+    arena = PanelArena([panels_shape(n, k, quantize) for n, k in shapes], dtype)
+    for n, k in shapes:
+        weight = pack_panels(torch.randn(n, k, generator=gen), quantize)
+        assert tuple(weight.panels.shape) == panels_shape(n, k, quantize)
+        assert torch.equal(arena.place(weight).panels, weight.panels)
+    with pytest.raises(ValueError, match="all 4 slots"):
+        arena.place(weight)
+    arena = PanelArena([panels_shape(40, 8, quantize)], dtype)
+    with pytest.raises(ValueError, match="slot 0 holds"):
+        arena.place(pack_panels(torch.randn(40, 10, generator=gen), quantize))
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_llama_untied_dir"])
+@pytest.mark.parametrize("layout", ["panel", "panel_int8"])
+def test_panel_packing_places_the_whole_model_in_one_buffer(
+    fixture: str, layout: str, request: pytest.FixtureRequest
+) -> None:
+    """``pack_linears``: every linear weight and the LM head in one arena, equal to
+    packing each dense weight on its own."""
+    from engine_service.models.loader import load_model
+
+    model, _ = load_model(request.getfixturevalue(fixture))
+    linears = [m for m in model.modules() if isinstance(m, decoder.FusedLinear)]
+    expected = [pack_panels(m.weight, layout == "panel_int8") for m in linears]
+    expected.append(pack_panels(model.lm_head_weight, layout == "panel_int8"))
+    model.pack_linears(layout)
+    placed = [m.packed_weight for m in linears] + [model.lm_head_packed]
+    assert all(m.weight is None for m in linears)
+    assert len({w.panels.untyped_storage().data_ptr() for w in placed}) == 1
+    for got, want in zip(placed, expected, strict=True):
+        assert torch.equal(got.panels, want.panels) and torch.equal(got.scale, want.scale)

@@ -18,7 +18,7 @@ from engine_service.attention import AttentionMetadata
 from engine_service.models.rotary import build_cos_sin_cache
 from kernels.dispatch import KernelOps
 from kernels.onednn_linear import pack_weight, packed_linear
-from kernels.panel_linear import PanelWeight, onto_huge_pages, pack_panels, panel_linear
+from kernels.panel_linear import PanelArena, PanelWeight, pack_panels, panel_linear, panels_shape
 from tandem.protocol.model_config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
@@ -246,17 +246,26 @@ class DecoderForCausalLM(nn.Module):
         ``vocab_size x hidden_size`` once more (a quarter of it for int8).
         """
         linears = [module for module in self.modules() if isinstance(module, FusedLinear)]
-        for module in linears:
-            module.pack(layout)
-        self.lm_head_packed = pack_linear_weight(self.lm_head_weight, layout)
+        if layout in ("panel", "panel_int8"):
+            self._pack_panels(linears, quantize=layout == "panel_int8")
+        else:
+            for module in linears:
+                module.pack(layout)
+            self.lm_head_packed = pack_linear_weight(self.lm_head_weight, layout)
         self.lm_head = None  # untied: the packed copy replaces it; tied: None already
-        if isinstance(self.lm_head_packed, PanelWeight):  # every panel in one huge-page buffer
-            panel_linears = [m for m in linears if isinstance(m.packed_weight, PanelWeight)]
-            *placed, self.lm_head_packed = onto_huge_pages(
-                [m.packed_weight for m in panel_linears] + [self.lm_head_packed]
-            )
-            for module, weight in zip(panel_linears, placed):
-                module.packed_weight = weight
+
+    def _pack_panels(self, linears: list[FusedLinear], quantize: bool) -> None:
+        """Every panel in one huge-page ``PanelArena``, packed and placed one weight at a
+        time (each dense weight is freed as its panels land: ~one model copy at peak)."""
+        todo = [module for module in linears if module.weight is not None]
+        dense_shapes = [tuple(module.weight.shape) for module in todo] + [tuple(self.lm_head_weight.shape)]
+        arena = PanelArena(
+            [panels_shape(n, k, quantize) for n, k in dense_shapes], torch.int8 if quantize else torch.float32
+        )
+        for module in todo:
+            module.packed_weight = arena.place(pack_panels(module.weight, quantize))
+            module.weight = None
+        self.lm_head_packed = arena.place(pack_panels(self.lm_head_weight, quantize))
 
     @property
     def lm_head_weight(self) -> torch.Tensor:  # [vocab_size, hidden_size]
