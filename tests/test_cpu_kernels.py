@@ -45,6 +45,33 @@ def test_decode_attention_matches_reference(
     torch.testing.assert_close(out.float(), expected.float(), atol=tol, rtol=tol, msg=f"seed={seed}")
 
 
+@pytest.mark.parametrize("threads", [2, 5])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (6, 2, 80)])
+def test_decode_attention_split_across_threads_matches_reference(
+    threads: int, num_heads: int, num_kv_heads: int, head_dim: int
+) -> None:
+    """Fewer decode sequences than threads (batch 1, or 2-3 with 5 threads): each long
+    context is split into runs of blocks on several threads and merged; NaN outside every
+    context, and contexts short enough to stay whole mixed in."""
+    seed = _fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    num_seqs = 1 if threads == 2 else int(torch.randint(2, 4, (), generator=gen))
+    prefix_lens = torch.randint(200, 900, (num_seqs,), generator=gen).tolist()
+    if num_seqs > 1:
+        prefix_lens[-1] = int(torch.randint(0, 20, (), generator=gen))  # two blocks at most: fewer parts
+    batch = _paged_batch(gen, torch.float32, num_heads, num_kv_heads, head_dim, 16, [1] * num_seqs, prefix_lens)
+    scale = head_dim**-0.5
+    expected = _reference_attention_per_seq(batch, scale)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = cpu_ops.paged_attention(**batch, scale=scale, workspace={})
+    finally:
+        torch.set_num_threads(before)
+    assert not out.isnan().any(), f"seed={seed}"
+    torch.testing.assert_close(out, expected.float(), atol=2e-5, rtol=2e-5, msg=f"seed={seed}")
+
+
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 32)])
 def test_native_prefill_attention_matches_reference_on_long_chunks(
     num_heads: int, num_kv_heads: int, head_dim: int
