@@ -13,6 +13,7 @@ from engine_service.core import EngineCore
 from engine_service.models import decoder
 from kernels.cpu_ops import native_available
 from kernels.panel_linear import (
+    GEMM_MIN_ROWS,
     LANES,
     PanelArena,
     onto_huge_pages,
@@ -22,6 +23,7 @@ from kernels.panel_linear import (
     panels_shape,
     quantize_int8,
     unpack_panels,
+    unpacked_linear,
 )
 from tandem.protocol.outputs import EngineCoreRequest
 from tandem.protocol.sampling_params import SamplingParams
@@ -58,6 +60,26 @@ def test_panel_linear_matches_f_linear_on_random_shapes(quantize: bool) -> None:
             exact_x = F.linear(x, unpack_panels(packed), bias)
             weight_err = (F.linear(x, w, bias) - exact_x).abs().max()
             assert float((got - exact_x).abs().max()) <= 0.05 * float(weight_err) + 1e-5
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_many_rows_take_the_gemm_path_and_match_f_linear(quantize: bool) -> None:
+    """From GEMM_MIN_ROWS rows a float32 product goes through torch.mm on the unpacked
+    weight (columns not a multiple of 16, bias, strided x); int8 stays on the kernel."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    m, n, k = GEMM_MIN_ROWS + int(torch.randint(0, 40, (), generator=gen)), 75, 37
+    w = torch.randn(n, k, generator=gen)
+    x = torch.randn(m, k + 5, generator=gen)[:, :k]
+    bias = torch.randn(n, generator=gen)
+    packed = pack_panels(w, quantize)
+    got = panel_linear(x, packed, bias)
+    assert got.shape == (m, n) and got.is_contiguous()
+    torch.testing.assert_close(got, panel_linear_reference(x, packed, bias), atol=1e-4 * k**0.5, rtol=1e-4)
+    exact = unpacked_linear(x, pack_panels(w, False), None)
+    torch.testing.assert_close(exact, F.linear(x, w), atol=1e-4 * k**0.5, rtol=1e-4)
+    # Halves of x (below the threshold: the kernel) give the same rows.
+    halves = torch.cat([panel_linear(x[: m // 2], packed, bias), panel_linear(x[m // 2 :], packed, bias)])
+    torch.testing.assert_close(halves, got, atol=1e-4 * k**0.5, rtol=1e-4)
 
 
 def test_panels_hold_the_weight_and_zero_padding() -> None:
