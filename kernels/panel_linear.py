@@ -10,6 +10,7 @@ build targets the CPU it runs on). It serves two cases:
   fixed point per block of 256 columns (a step of 2^-15 of the block's largest value,
   far below the int8 weights' own error) so that a 16-bit pair dot product (AVX-512
   VNNI's, or AVX2's vpmaddwd) does the multiply-adds. A decode step reads a quarter of the fp32 bytes.
+  Prefill-sized products (``GEMM_MIN_ROWS``) run the dequantized weight through ``torch.mm``.
 - float32 panels, the same loop without the widening (the reference the int8 path is
   tested against, and a candidate for small batches).
 
@@ -154,17 +155,26 @@ def unpack_panels(weight: PanelWeight) -> torch.Tensor:
 # rows 2.18 -> 1.82 s, 512 rows 1.13 -> 1.05 s; at 256 rows 0.58 -> 0.62 s and at 128
 # rows 0.32 -> 0.40 s the panel kernel is ahead. (On the AVX-512 machines of earlier
 # notes oneDNN / torch.mm was also level or ahead at M=2048.) The copy is one pass over
-# the weight, 0.1-0.7 ms for those shapes.
+# the weight, 0.1-0.7 ms for those shapes. int8 panels are dequantized into the copy (x is
+# then not rounded to 16 bits): a 2048-row int8 prefill step 4.43 -> 3.98 s, 512 rows
+# 1.10 -> 1.08 s.
 GEMM_MIN_ROWS = 512
 
 
 def unpacked_linear(x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T + bias`` through ``torch.mm`` on the float32 panels copied out as W.T."""
+    """``x @ W.T + bias`` through ``torch.mm`` on the panels copied out as float32 W.T
+    (int8 panels dequantized)."""
     panels = weight.panels
-    p, k, lanes = panels.shape
-    wt = torch.empty(k, p * lanes, dtype=torch.float32)  # [K, 16P] = W.T, zero-padded columns
-    wt.view(k, p, lanes).copy_(panels.permute(1, 0, 2))
-    if p * lanes != weight.out_features:
+    if panels.dtype == torch.int8:  # [P, K2, 32] -> [K2, 2, P, 16] -> [2 K2, 16P], times the scale
+        p, k2, _ = panels.shape
+        wt = torch.empty(k2, 2, p, LANES, dtype=torch.float32)
+        wt.copy_(panels.view(p, k2, LANES, 2).permute(1, 3, 0, 2))
+        wt = wt.view(2 * k2, p * LANES).mul_(weight.scale)[: weight.in_k]
+    else:
+        p, k, _ = panels.shape
+        wt = torch.empty(k, p * LANES, dtype=torch.float32)  # [K, 16P] = W.T, zero-padded columns
+        wt.view(k, p, LANES).copy_(panels.permute(1, 0, 2))
+    if wt.shape[1] != weight.out_features:
         wt = wt[:, : weight.out_features]
     return torch.mm(x, wt) if bias is None else torch.addmm(bias.float(), x, wt)
 
@@ -174,9 +184,9 @@ def panel_linear(
     weight: PanelWeight,
     bias: torch.Tensor | None,  # [N] float32
 ) -> torch.Tensor:  # [M, N] float32
-    """``x @ W.T + bias`` natively (needs ``kernels.cpu_ops.native_available()``); float32
+    """``x @ W.T + bias`` natively (needs ``kernels.cpu_ops.native_available()``);
     products of at least ``GEMM_MIN_ROWS`` rows through ``unpacked_linear``."""
-    if x.shape[0] >= GEMM_MIN_ROWS and weight.panels.dtype == torch.float32:
+    if x.shape[0] >= GEMM_MIN_ROWS:
         return unpacked_linear(x, weight, bias)
     if x.stride(-1) != 1:
         x = x.contiguous()
