@@ -146,37 +146,19 @@ def unpack_panels(weight: PanelWeight) -> torch.Tensor:
     return dense[: weight.out_features, : weight.in_k]
 
 
-# Rows of x from which a float32 product goes through torch's GEMM on a transient [K, N]
-# copy of the weight instead of the panel kernel. The panel kernel reads the weight once
-# per register block of rows: what a decode step needs. A prefill chunk of hundreds of
-# rows is compute-bound, and the BLAS kernel (packed x, k blocked for the caches) is
-# faster there. Measured on a 2-core Zen 3 (AVX2), bench-135m, a whole prefill step with
-# the two paths alternated step by step in one process: 2048 rows 4.19 -> 3.59 s, 1024
-# rows 2.18 -> 1.82 s, 512 rows 1.13 -> 1.05 s; at 256 rows 0.58 -> 0.62 s and at 128
-# rows 0.32 -> 0.40 s the panel kernel is ahead. (On the AVX-512 machines of earlier
-# notes oneDNN / torch.mm was also level or ahead at M=2048.) The copy is one pass over
-# the weight, 0.1-0.7 ms for those shapes. int8 panels are dequantized into the copy (x is
-# then not rounded to 16 bits): a 2048-row int8 prefill step 4.43 -> 3.98 s, 512 rows
-# 1.10 -> 1.08 s.
+# Rows of x from which a product goes through torch's GEMM on a transient [N, K] float32
+# copy of the weight (``unpack_panels``; int8 dequantized, x then not rounded to 16 bits)
+# instead of the panel kernel. The panel kernel reads the weight once per register block
+# of rows: what a decode step needs. A prefill chunk of hundreds of rows is compute-bound,
+# and the BLAS kernel (packed x, k blocked for the caches) is faster there. Measured on a
+# 2-core Zen 3 (AVX2), bench-135m, a whole prefill step with the two paths alternated step
+# by step in one process: 2048 rows 4.19 -> 3.59 s, 1024 rows 2.18 -> 1.82 s, 512 rows
+# 1.13 -> 1.05 s; at 256 rows 0.58 -> 0.62 s and at 128 rows 0.32 -> 0.40 s the panel
+# kernel is ahead; int8, 2048 rows 4.43 -> 3.98 s, 512 rows 1.10 -> 1.08 s. (On the
+# AVX-512 machines of earlier notes oneDNN / torch.mm was also level or ahead at M=2048.)
+# The copy is one pass over the weight: 0.5-2 ms for those shapes, against 15-55 ms for
+# the product at 2048 rows.
 GEMM_MIN_ROWS = 512
-
-
-def unpacked_linear(x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T + bias`` through ``torch.mm`` on the panels copied out as float32 W.T
-    (int8 panels dequantized)."""
-    panels = weight.panels
-    if panels.dtype == torch.int8:  # [P, K2, 32] -> [K2, 2, P, 16] -> [2 K2, 16P], times the scale
-        p, k2, _ = panels.shape
-        wt = torch.empty(k2, 2, p, LANES, dtype=torch.float32)
-        wt.copy_(panels.view(p, k2, LANES, 2).permute(1, 3, 0, 2))
-        wt = wt.view(2 * k2, p * LANES).mul_(weight.scale)[: weight.in_k]
-    else:
-        p, k, _ = panels.shape
-        wt = torch.empty(k, p * LANES, dtype=torch.float32)  # [K, 16P] = W.T, zero-padded columns
-        wt.view(k, p, LANES).copy_(panels.permute(1, 0, 2))
-    if wt.shape[1] != weight.out_features:
-        wt = wt[:, : weight.out_features]
-    return torch.mm(x, wt) if bias is None else torch.addmm(bias.float(), x, wt)
 
 
 def panel_linear(
@@ -185,9 +167,9 @@ def panel_linear(
     bias: torch.Tensor | None,  # [N] float32
 ) -> torch.Tensor:  # [M, N] float32
     """``x @ W.T + bias`` natively (needs ``kernels.cpu_ops.native_available()``);
-    products of at least ``GEMM_MIN_ROWS`` rows through ``unpacked_linear``."""
+    products of at least ``GEMM_MIN_ROWS`` rows through ``F.linear`` on the unpacked weight."""
     if x.shape[0] >= GEMM_MIN_ROWS:
-        return unpacked_linear(x, weight, bias)
+        return F.linear(x, unpack_panels(weight), None if bias is None else bias.float())
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
