@@ -10,9 +10,10 @@ build targets the CPU it runs on). It serves two cases:
   fixed point per block of 256 columns (a step of 2^-15 of the block's largest value,
   far below the int8 weights' own error) so that a 16-bit pair dot product (AVX-512
   VNNI's, or AVX2's vpmaddwd) does the multiply-adds. A decode step reads a quarter of the fp32 bytes.
-  Prefill-sized products (``GEMM_MIN_ROWS``) run the dequantized weight through ``torch.mm``.
-- float32 panels, the same loop without the widening (the reference the int8 path is
-  tested against, and a candidate for small batches).
+  Prefill-sized products (``gemm_min_rows``) run the dequantized weight through ``torch.mm``.
+- float32 panels, the same loop without the widening: the engine's linear layers at
+  every batch size on AVX2 (a hand-scheduled inner loop, ahead of torch.mm at decode and
+  prefill sizes), and below ``gemm_min_rows`` rows elsewhere.
 
 ``PanelWeight`` holds the packed tensor; ``panel_linear`` runs it. The reference
 ``panel_linear_reference`` unpacks and runs ``F.linear`` (on float32 ``x``, so for int8
@@ -21,6 +22,7 @@ it also measures the 16-bit rounding of ``x``): the kernel tests compare to it.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -148,17 +150,27 @@ def unpack_panels(weight: PanelWeight) -> torch.Tensor:
 
 # Rows of x from which a product goes through torch's GEMM on a transient [N, K] float32
 # copy of the weight (``unpack_panels``; int8 dequantized, x then not rounded to 16 bits)
-# instead of the panel kernel. The panel kernel reads the weight once per register block
-# of rows: what a decode step needs. A prefill chunk of hundreds of rows is compute-bound,
-# and the BLAS kernel (packed x, k blocked for the caches) is faster there. Measured on a
-# 2-core Zen 3 (AVX2), bench-135m, a whole prefill step with the two paths alternated step
-# by step in one process: 2048 rows 4.19 -> 3.59 s, 1024 rows 2.18 -> 1.82 s, 512 rows
-# 1.13 -> 1.05 s; at 256 rows 0.58 -> 0.62 s and at 128 rows 0.32 -> 0.40 s the panel
-# kernel is ahead; int8, 2048 rows 4.43 -> 3.98 s, 512 rows 1.10 -> 1.08 s. (On the
-# AVX-512 machines of earlier notes oneDNN / torch.mm was also level or ahead at M=2048.)
+# instead of the panel kernel, where the build's kernel is behind torch.mm on
+# prefill-sized products. Measured on a 2-core Zen 3 (AVX2), bench-135m, a whole prefill
+# step with the two paths alternated step by step in one process:
+# - float32, AVX2's hand-scheduled loop: the kernel is ahead at every size (2048 rows
+#   3.88 -> 3.53 s against torch.mm, 512 rows 1.16 -> 0.93 s): no threshold. (The compiled
+#   loop before it was behind from 512 rows: 2048 rows 4.19 s vs torch.mm's 3.59 s.)
+# - int8 on AVX2: 2048 rows 4.43 -> 3.98 s through torch.mm, 512 rows 1.10 -> 1.08 s.
+# - AVX-512 builds (compiled loop): oneDNN / torch.mm level or ahead at 2048 rows on the
+#   machines of earlier notes; portable builds: the compiled loop.
 # The copy is one pass over the weight: 0.5-2 ms for those shapes, against 15-55 ms for
 # the product at 2048 rows.
 GEMM_MIN_ROWS = 512
+
+
+@functools.cache
+def gemm_min_rows(quantized: bool) -> int | None:
+    """Rows from which ``panel_linear`` hands a product to torch.mm for this build's kernel
+    (None: never). Needs the native kernels."""
+    if not quantized and torch.ops.tandem_cpu.panel_kernel_isa() == "avx2":
+        return None
+    return GEMM_MIN_ROWS
 
 
 def panel_linear(
@@ -167,8 +179,9 @@ def panel_linear(
     bias: torch.Tensor | None,  # [N] float32
 ) -> torch.Tensor:  # [M, N] float32
     """``x @ W.T + bias`` natively (needs ``kernels.cpu_ops.native_available()``);
-    products of at least ``GEMM_MIN_ROWS`` rows through ``F.linear`` on the unpacked weight."""
-    if x.shape[0] >= GEMM_MIN_ROWS:
+    products of at least ``gemm_min_rows`` rows through ``F.linear`` on the unpacked weight."""
+    threshold = gemm_min_rows(weight.panels.dtype == torch.int8)
+    if threshold is not None and x.shape[0] >= threshold:
         return F.linear(x, unpack_panels(weight), None if bias is None else bias.float())
     if x.stride(-1) != 1:
         x = x.contiguous()
