@@ -246,18 +246,22 @@ class MachineLimits:
     copy_gbps: float  # bytes read + written per second by a large tensor copy
     matmul_gflops_torch: float = 0.0  # torch.mm (the BLAS torch was built with: MKL)
     matmul_gflops_onednn: float = 0.0  # oneDNN with a pre-packed weight; 0 if unavailable
+    matmul_gflops_panel: float = 0.0  # Tandem's panel kernel (kernels.panel_linear); 0 if unavailable
 
 
 def measure_machine(repeats: int = 5) -> MachineLimits:
     """fp32 2048^3 matmul rate and large-copy bandwidth, best of ``repeats``.
 
-    The matmul is timed through torch.mm and through oneDNN with the weight reordered
-    once (``kernels.onednn_linear``); on AMD CPUs MKL's fp32 GEMM reaches well under
-    half of what the cores can do, so the machine's rate is the faster of the two.
+    The matmul is timed through torch.mm, through oneDNN with the weight reordered once
+    (``kernels.onednn_linear``) and through Tandem's own panel kernel (where it builds):
+    on AMD CPUs MKL's fp32 GEMM can reach well under half of what the cores do, and on
+    AVX2 the panel kernel is ahead of both, so the machine's rate is the fastest of the three.
     """
     import torch
 
+    from kernels.cpu_ops import native_available
     from kernels.onednn_linear import onednn_linear_available, pack_weight, packed_linear
+    from kernels.panel_linear import pack_panels, panel_linear
 
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     src = torch.randn(64 * 2**20)  # 256 MiB
@@ -271,10 +275,15 @@ def measure_machine(repeats: int = 5) -> MachineLimits:
         packed = pack_weight(b)
         packed_linear(a, packed, None)
         onednn = flops / min(timed(lambda: packed_linear(a, packed, None))[1].seconds for _ in range(repeats)) / 1e9
+    panel = 0.0
+    if native_available():
+        panels = pack_panels(b.t(), quantize=False)  # a @ b = a @ (b.T).T
+        panel_linear(a, panels, None)
+        panel = flops / min(timed(lambda: panel_linear(a, panels, None))[1].seconds for _ in range(repeats)) / 1e9
     best_copy = min(timed(lambda: dst.copy_(src))[1].seconds for _ in range(repeats))
     torch_rate = flops / best_mm / 1e9
     return MachineLimits(
-        max(torch_rate, onednn), 2 * src.numel() * 4 / best_copy / 1e9, torch_rate, onednn
+        max(torch_rate, onednn, panel), 2 * src.numel() * 4 / best_copy / 1e9, torch_rate, onednn, panel
     )
 
 

@@ -492,7 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     lim = roof.limits
     print(
         f"roofline: fp32 matmul {lim.matmul_gflops:.0f} GFLOP/s (torch.mm {lim.matmul_gflops_torch:.0f}, "
-        f"oneDNN packed {lim.matmul_gflops_onednn:.0f}), copy {lim.copy_gbps:.1f} GB/s; "
+        f"oneDNN packed {lim.matmul_gflops_onednn:.0f}, panel kernel {lim.matmul_gflops_panel:.0f}), "
+        f"copy {lim.copy_gbps:.1f} GB/s; "
         f"{roof.body_flops_per_token / 1e6:.0f} + {roof.head_flops_per_token / 1e6:.0f} (LM head) "
         f"MFLOP and {roof.weight_bytes / 2**20:.0f} MiB of weights per token/step; prefill "
         f"{roof.prefill_tokens_per_s():.0f} tok/s, decode at batch {decode_batch} "
@@ -560,6 +561,7 @@ def main(argv: list[str] | None = None) -> int:
                 "copy_gbps": roof.limits.copy_gbps,
                 "matmul_gflops_torch": roof.limits.matmul_gflops_torch,
                 "matmul_gflops_onednn": roof.limits.matmul_gflops_onednn,
+                "matmul_gflops_panel": roof.limits.matmul_gflops_panel,
                 "flops_per_token": roof.flops_per_token,
                 "body_flops_per_token": roof.body_flops_per_token,
                 "weight_bytes": roof.weight_bytes,

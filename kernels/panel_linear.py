@@ -153,22 +153,30 @@ def unpack_panels(weight: PanelWeight) -> torch.Tensor:
 # instead of the panel kernel, where the build's kernel is behind torch.mm on
 # prefill-sized products. Measured on a 2-core Zen 3 (AVX2), bench-135m, a whole prefill
 # step with the two paths alternated step by step in one process:
-# - float32, AVX2's hand-scheduled loop: the kernel is ahead at every size (2048 rows
-#   3.88 -> 3.53 s against torch.mm, 512 rows 1.16 -> 0.93 s): no threshold. (The compiled
-#   loop before it was behind from 512 rows: 2048 rows 4.19 s vs torch.mm's 3.59 s.)
+# - float32, AVX2's hand-scheduled loop: the kernel is ahead at every row count (2048
+#   rows 3.88 -> 3.53 s against torch.mm, 512 rows 1.16 -> 0.93 s): no threshold while
+#   K <= GEMM_MIN_K. The kernel does not block k, and past that it falls behind on many
+#   rows (one product, N = 2048: K = 2048 level, 135 vs 141 GFLOP/s at 512 rows; K =
+#   4096 100 vs 132). (The compiled loop before it was behind from 512 rows at every K:
+#   2048 rows 4.19 s vs torch.mm's 3.59 s.)
 # - int8 on AVX2: 2048 rows 4.43 -> 3.98 s through torch.mm, 512 rows 1.10 -> 1.08 s.
 # - AVX-512 builds (compiled loop): oneDNN / torch.mm level or ahead at 2048 rows on the
 #   machines of earlier notes; portable builds: the compiled loop.
 # The copy is one pass over the weight: 0.5-2 ms for those shapes, against 15-55 ms for
 # the product at 2048 rows.
 GEMM_MIN_ROWS = 512
+GEMM_MIN_K = 2048
 
 
 @functools.cache
-def gemm_min_rows(quantized: bool) -> int | None:
-    """Rows from which ``panel_linear`` hands a product to torch.mm for this build's kernel
-    (None: never). Needs the native kernels."""
-    if not quantized and torch.ops.tandem_cpu.panel_kernel_isa() == "avx2":
+def _kernel_isa() -> str:
+    return torch.ops.tandem_cpu.panel_kernel_isa()
+
+
+def gemm_min_rows(quantized: bool, in_k: int) -> int | None:
+    """Rows from which ``panel_linear`` hands a product of inner size ``in_k`` to torch.mm
+    for this build's kernel (None: never). Needs the native kernels."""
+    if not quantized and in_k <= GEMM_MIN_K and _kernel_isa() == "avx2":
         return None
     return GEMM_MIN_ROWS
 
@@ -180,7 +188,7 @@ def panel_linear(
 ) -> torch.Tensor:  # [M, N] float32
     """``x @ W.T + bias`` natively (needs ``kernels.cpu_ops.native_available()``);
     products of at least ``gemm_min_rows`` rows through ``F.linear`` on the unpacked weight."""
-    threshold = gemm_min_rows(weight.panels.dtype == torch.int8)
+    threshold = gemm_min_rows(weight.panels.dtype == torch.int8, weight.in_k)
     if threshold is not None and x.shape[0] >= threshold:
         return F.linear(x, unpack_panels(weight), None if bias is None else bias.float())
     if x.stride(-1) != 1:

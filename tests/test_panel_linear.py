@@ -13,6 +13,7 @@ from engine_service.core import EngineCore
 from engine_service.models import decoder
 from kernels.cpu_ops import native_available
 from kernels.panel_linear import (
+    GEMM_MIN_K,
     LANES,
     PanelArena,
     gemm_min_rows,
@@ -62,12 +63,13 @@ def test_panel_linear_matches_f_linear_on_random_shapes(quantize: bool) -> None:
 
 
 @pytest.mark.parametrize("quantize", [False, True])
-def test_prefill_sized_products_match_f_linear(quantize: bool) -> None:
+@pytest.mark.parametrize("k_base", [300, GEMM_MIN_K + 1])
+def test_prefill_sized_products_match_f_linear(quantize: bool, k_base: int) -> None:
     """Hundreds of rows: through torch.mm on the unpacked (for int8: dequantized) weight
-    where this build has a ``gemm_min_rows``, else through the kernel in several row
+    where this build has a ``gemm_min_rows`` for K, else through the kernel in several row
     chunks (K = 300: ~216 rows a chunk); columns not a multiple of 16, bias, strided x."""
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
-    m, n, k = 512 + int(torch.randint(0, 40, (), generator=gen)), 75, 300 + int(torch.randint(0, 4, (), generator=gen))
+    m, n, k = 512 + int(torch.randint(0, 40, (), generator=gen)), 75, k_base + int(torch.randint(0, 4, (), generator=gen))
     w = torch.randn(n, k, generator=gen)
     x = torch.randn(m, k + 5, generator=gen)[:, :k]
     bias = torch.randn(n, generator=gen)
@@ -78,7 +80,7 @@ def test_prefill_sized_products_match_f_linear(quantize: bool) -> None:
         q, scale = quantize_int8(w)
         w = q.float() * scale[:, None]
     # int8 through the kernel rounds x to 16 bits (see the random-shape test)
-    rounded_x = quantize and gemm_min_rows(quantize) is None
+    rounded_x = quantize and gemm_min_rows(quantize, k) is None
     torch.testing.assert_close(got, F.linear(x, w, bias), atol=(2e-3 if rounded_x else 1e-4) * k**0.5, rtol=1e-4)
     # Quarters of x (below any threshold: the kernel, which rounds x to 16 bits for int8).
     parts = torch.cat([panel_linear(part, packed, bias) for part in x.chunk(4)])
