@@ -10,14 +10,16 @@ build targets the CPU it runs on). It serves two cases:
   fixed point per block of 256 columns (a step of 2^-15 of the block's largest value,
   far below the int8 weights' own error) so that a 16-bit pair dot product (AVX-512
   VNNI's, or AVX2's vpmaddwd) does the multiply-adds. A decode step reads a quarter of the fp32 bytes.
-  Prefill-sized products (``gemm_min_rows``) run the dequantized weight through ``torch.mm``.
+  On AVX2, products of 16 rows or more dequantize a tile of panels at a time into float32
+  (in cache) and run the float32 loop instead, on unrounded x. Prefill-sized products
+  (``gemm_min_rows``) run the dequantized weight through ``torch.mm`` where that is faster.
 - float32 panels, the same loop without the widening: the engine's linear layers at
   every batch size on AVX2 (a hand-scheduled inner loop, ahead of torch.mm at decode and
   prefill sizes), and below ``gemm_min_rows`` rows elsewhere.
 
 ``PanelWeight`` holds the packed tensor; ``panel_linear`` runs it. The reference
-``panel_linear_reference`` unpacks and runs ``F.linear`` (on float32 ``x``, so for int8
-it also measures the 16-bit rounding of ``x``): the kernel tests compare to it.
+``panel_linear_reference`` unpacks and runs ``F.linear`` (on float32 ``x``, rounded to
+16 bits where the int8 kernel rounds it): the kernel tests compare to it.
 """
 
 from __future__ import annotations
@@ -159,7 +161,9 @@ def unpack_panels(weight: PanelWeight) -> torch.Tensor:
 #   rows (one product, N = 2048: K = 2048 level, 135 vs 141 GFLOP/s at 512 rows; K =
 #   4096 100 vs 132). (The compiled loop before it was behind from 512 rows at every K:
 #   2048 rows 4.19 s vs torch.mm's 3.59 s.)
-# - int8 on AVX2: 2048 rows 4.43 -> 3.98 s through torch.mm, 512 rows 1.10 -> 1.08 s.
+# - int8 on AVX2, since its tiles run dequantized through the float loop from 16 rows:
+#   the kernel is ahead too (2048 rows 3.78 s through torch.mm -> 3.41 s): the same rule.
+#   (The int8 loop before it was behind: 2048 rows 4.43 -> 3.98 s through torch.mm.)
 # - AVX-512 builds (compiled loop): oneDNN / torch.mm level or ahead at 2048 rows on the
 #   machines of earlier notes; portable builds: the compiled loop.
 # The copy is one pass over the weight: 0.5-2 ms for those shapes, against 15-55 ms for
@@ -174,9 +178,10 @@ def _kernel_isa() -> str:
 
 
 def gemm_min_rows(quantized: bool, in_k: int) -> int | None:
-    """Rows from which ``panel_linear`` hands a product of inner size ``in_k`` to torch.mm
-    for this build's kernel (None: never). Needs the native kernels."""
-    if not quantized and in_k <= GEMM_MIN_K and _kernel_isa() == "avx2":
+    """Rows from which ``panel_linear`` hands a product of inner size ``in_k`` (of int8
+    weights when ``quantized``) to torch.mm for this build's kernel (None: never). Needs
+    the native kernels."""
+    if in_k <= GEMM_MIN_K and _kernel_isa() == "avx2":
         return None
     return GEMM_MIN_ROWS
 
@@ -215,8 +220,15 @@ def round_x_16bit(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(padded / step) * step).view(m, -1)[:, :k]
 
 
+@functools.cache
+def _int8_float_rows() -> int:
+    return torch.ops.tandem_cpu.panel_int8_float_rows()
+
+
 def panel_linear_reference(x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """The same product through ``F.linear`` on the unpacked weight (and, for int8
-    panels, on ``x`` rounded as the kernel rounds it)."""
-    x = round_x_16bit(x) if weight.panels.dtype == torch.int8 else x.float()
+    panels, on ``x`` rounded as the kernel rounds it: below the build's
+    ``panel_int8_float_rows`` rows). Needs the native kernels."""
+    rounds_x = weight.panels.dtype == torch.int8 and x.shape[0] < _int8_float_rows()
+    x = round_x_16bit(x) if rounds_x else x.float()
     return F.linear(x, unpack_panels(weight), None if bias is None else bias.float())

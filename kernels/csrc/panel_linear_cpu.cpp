@@ -22,6 +22,8 @@
 // (AVX-512 VNNI vpdpwssd: 32 multiply-adds an instruction, no widening to float; AVX2:
 // vpmaddwd then an add, 16 per pair of instructions); a
 // block's int32 sums (< 2^31: 128 pairs x 2 x 127 x 32767) are scaled into float32.
+// The AVX2 build takes that path below kInt8AsFloatRows rows only; from there a tile of
+// int8 panels is dequantized into float32 and run through the float loop.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -31,7 +33,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
+#include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -601,9 +605,78 @@ void int8_rows_kernel(int64_t rows, const int32_t* xq, int64_t k2, const float* 
                               n);
 }
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+
+// From this many rows the AVX2 build runs int8 weights through the float32 loop, a tile
+// at a time dequantized into a float32 buffer that stays in L2 (2 panels x K x 64 bytes):
+// once a tile serves a few row blocks, the hand-scheduled float loop more than pays for
+// the conversion (the weights still come from memory as int8). x is then not rounded to
+// 16 bits. bench-135m's shapes, GFLOP/s int8 loop / dequantized tile + float loop, 2 threads
+// on a Zen 3: 8 rows 84-101 / 69-78, 12 rows 92-108 / 97-106, 16 rows 98-108 / 102-115,
+// 32 rows 99-117 / 122-131, 64 rows 110-118 / 127-152.
+constexpr int64_t kInt8AsFloatRows = 16;
+
+// int8 panels [T, K2, 32] (k in pairs) -> float32 panels [T, K, 16], column j of panel t
+// times scale[16t + j].
+void dequantize_panels(const int8_t* src, int64_t t_count, int64_t k2, int64_t k_size, const float* scale,
+                       float* dst) {
+  // Per 128-bit lane: the even bytes (k = 2i) of its 8 columns, then the odd (k = 2i + 1).
+  const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10,
+                                         12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  for (int64_t t = 0; t < t_count; ++t) {
+    const __m256 s0 = _mm256_loadu_ps(scale + t * kLanes), s1 = _mm256_loadu_ps(scale + t * kLanes + 8);
+    const int8_t* p = src + t * k2 * 2 * kLanes;
+    float* d = dst + t * k_size * kLanes;
+    for (int64_t i = 0; i < k2; ++i) {
+      __m256i v = _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i * 2 * kLanes)), split);
+      v = _mm256_permute4x64_epi64(v, 0xD8);  // [k = 2i: columns 0-15 | k = 2i + 1: columns 0-15]
+      for (int h = 0; h < 2 && 2 * i + h < k_size; ++h) {
+        const __m128i q = h == 0 ? _mm256_castsi256_si128(v) : _mm256_extracti128_si256(v, 1);
+        float* row = d + (2 * i + h) * kLanes;
+        _mm256_storeu_ps(row, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), s0));
+        _mm256_storeu_ps(row + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))), s1));
+      }
+    }
+  }
+}
+
+void panel_linear_int8_as_float(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels, const float* scale,
+                                const float* bias) {
+  const int64_t m = x.size(0), k_size = x.size(1), n = out.size(1);
+  const int64_t k2 = panels.size(1), num_panels = panels.size(0);
+  const int64_t num_tiles = (num_panels + kTilePanels - 1) / kTilePanels;
+  const float* xp = x.data_ptr<float>();
+  const int8_t* wp = panels.data_ptr<int8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t ldx = x.stride(0), ldo = out.stride(0);
+  const int64_t row_chunk = rows_per_chunk(k_size * static_cast<int64_t>(sizeof(float)), kMaxRows);
+  const int64_t tile_work = std::max<int64_t>(1, std::min(m, row_chunk) * k_size * kTilePanels * kLanes);
+  const int64_t grain = std::max<int64_t>(1, 65536 / tile_work);
+  for_each_chunk_and_tile(m, row_chunk, num_tiles, grain, [&](int64_t r0, int64_t rows, int64_t tile, int64_t) {
+    thread_local std::vector<float> tile_buffer;
+    tile_buffer.resize(kTilePanels * k_size * kLanes);
+    const int64_t p0 = tile * kTilePanels, t_count = std::min(kTilePanels, num_panels - p0);
+    dequantize_panels(wp + p0 * k2 * 2 * kLanes, t_count, k2, k_size, scale + p0 * kLanes, tile_buffer.data());
+    if (t_count == kTilePanels)
+      rows_kernel<kTilePanels>(rows, xp + r0 * ldx, ldx, tile_buffer.data(), k_size, nullptr, bias, op + r0 * ldo,
+                               ldo, p0 * kLanes, n, nullptr);
+    else
+      rows_kernel<1>(rows, xp + r0 * ldx, ldx, tile_buffer.data(), k_size, nullptr, bias, op + r0 * ldo, ldo,
+                     p0 * kLanes, n, nullptr);
+  });
+}
+
+#endif
+
 void panel_linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels, const float* scale,
                        const float* bias) {
   const int64_t m = x.size(0), k_size = x.size(1), n = out.size(1);
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+  if (m >= kInt8AsFloatRows) {
+    panel_linear_int8_as_float(out, x, panels, scale, bias);
+    return;
+  }
+#endif
   const int64_t k2 = panels.size(1), nb = (k2 + kBlockPairs - 1) / kBlockPairs;
   const int64_t num_panels = panels.size(0);
   const int64_t num_tiles = (num_panels + kTilePanels - 1) / kTilePanels;
@@ -698,6 +771,16 @@ std::string panel_kernel_isa() {
 #endif
 }
 
+// Rows from which int8 products run dequantized through the float loop (x unrounded);
+// INT64_MAX where this build never does. kernels/panel_linear.py's reference follows it.
+int64_t panel_int8_float_rows() {
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+  return kInt8AsFloatRows;
+#else
+  return std::numeric_limits<int64_t>::max();
+#endif
+}
+
 }  // namespace
 
 namespace tandem_cpu {
@@ -710,6 +793,8 @@ void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& panels,
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.def("panel_linear(Tensor(a!) out, Tensor x, Tensor panels, Tensor scale, Tensor bias) -> ()");
   m.impl("panel_linear", c10::DispatchKey::CPU, &panel_linear);
+  m.def("panel_int8_float_rows() -> int");
+  m.impl("panel_int8_float_rows", c10::DispatchKey::CatchAll, &panel_int8_float_rows);
   m.def("panel_kernel_isa() -> str");
   m.impl("panel_kernel_isa", c10::DispatchKey::CatchAll, &panel_kernel_isa);
 }
