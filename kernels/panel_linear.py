@@ -177,10 +177,10 @@ def _kernel_isa() -> str:
     return torch.ops.tandem_cpu.panel_kernel_isa()
 
 
-def gemm_min_rows(quantized: bool, in_k: int) -> int | None:
-    """Rows from which ``panel_linear`` hands a product of inner size ``in_k`` (of int8
-    weights when ``quantized``) to torch.mm for this build's kernel (None: never). Needs
-    the native kernels."""
+def gemm_min_rows(in_k: int) -> int | None:
+    """Rows from which ``panel_linear`` hands a product of inner size ``in_k`` (float32 or
+    int8 weights alike) to torch.mm for this build's kernel (None: never). Needs the
+    native kernels."""
     if in_k <= GEMM_MIN_K and _kernel_isa() == "avx2":
         return None
     return GEMM_MIN_ROWS
@@ -193,7 +193,7 @@ def panel_linear(
 ) -> torch.Tensor:  # [M, N] float32
     """``x @ W.T + bias`` natively (needs ``kernels.cpu_ops.native_available()``);
     products of at least ``gemm_min_rows`` rows through ``F.linear`` on the unpacked weight."""
-    threshold = gemm_min_rows(weight.panels.dtype == torch.int8, weight.in_k)
+    threshold = gemm_min_rows(weight.in_k)
     if threshold is not None and x.shape[0] >= threshold:
         return F.linear(x, unpack_panels(weight), None if bias is None else bias.float())
     if x.stride(-1) != 1:

@@ -40,13 +40,18 @@
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+// The AVX2 build without AVX-512: 6-row register blocks through a hand-scheduled loop
+// (which int8 products of many rows use as well).
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define TANDEM_AVX2_FLOAT 1
+#endif
 
 namespace {
 
 constexpr int64_t kLanes = 16;     // columns per panel
 // Rows of x per register block: 8 with 32 vector registers (and in the portable loops),
 // 6 with AVX2's 16.
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#if defined(TANDEM_AVX2_FLOAT)
 constexpr int kMaxRows = 6;
 #else
 constexpr int kMaxRows = 8;
@@ -605,7 +610,7 @@ void int8_rows_kernel(int64_t rows, const int32_t* xq, int64_t k2, const float* 
                               n);
 }
 
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#if defined(TANDEM_AVX2_FLOAT)
 
 // From this many rows the AVX2 build runs int8 weights through the float32 loop, a tile
 // at a time dequantized into a float32 buffer that stays in L2 (2 panels x K x 64 bytes):
@@ -671,7 +676,7 @@ void panel_linear_int8_as_float(at::Tensor& out, const at::Tensor& x, const at::
 void panel_linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels, const float* scale,
                        const float* bias) {
   const int64_t m = x.size(0), k_size = x.size(1), n = out.size(1);
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#if defined(TANDEM_AVX2_FLOAT)
   if (m >= kInt8AsFloatRows) {
     panel_linear_int8_as_float(out, x, panels, scale, bias);
     return;
@@ -774,7 +779,7 @@ std::string panel_kernel_isa() {
 // Rows from which int8 products run dequantized through the float loop (x unrounded);
 // INT64_MAX where this build never does. kernels/panel_linear.py's reference follows it.
 int64_t panel_int8_float_rows() {
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#if defined(TANDEM_AVX2_FLOAT)
   return kInt8AsFloatRows;
 #else
   return std::numeric_limits<int64_t>::max();
