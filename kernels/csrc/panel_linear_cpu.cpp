@@ -385,6 +385,27 @@ void for_each_chunk_and_tile(int64_t m, int64_t row_chunk, int64_t num_tiles, in
   }
 }
 
+// fn(r0, rows, tile, end) over float32 rows of x of length k_size (for_each_chunk_and_tile,
+// with the float loop's row chunk and thread grain).
+template <typename F>
+void for_each_float_tile(int64_t m, int64_t k_size, int64_t num_tiles, const F& fn) {
+  const int64_t row_chunk = rows_per_chunk(k_size * static_cast<int64_t>(sizeof(float)), kMaxRows);
+  // A chunk of work should hold >= ~64k multiply-adds to pay a thread hand-off.
+  const int64_t tile_work = std::max<int64_t>(1, std::min(m, row_chunk) * k_size * kTilePanels * kLanes);
+  for_each_chunk_and_tile(m, row_chunk, num_tiles, std::max<int64_t>(1, 65536 / tile_work), fn);
+}
+
+// The float loop over one tile: `panels` (kTilePanels of them, or 1 at the end) of k_size
+// rows each, for output columns n0.. (`next`: the following tile to prefetch, or nullptr).
+void float_tile(int64_t rows, const float* x, int64_t ldx, const float* panels, int64_t panel_count, int64_t k_size,
+                const float* scale, const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n,
+                const float* next) {
+  if (panel_count == kTilePanels)
+    rows_kernel<kTilePanels>(rows, x, ldx, panels, k_size, scale, bias, out, ldo, n0, n, next);
+  else
+    rows_kernel<1>(rows, x, ldx, panels, k_size, scale, bias, out, ldo, n0, n, nullptr);
+}
+
 // ---- int8 weights --------------------------------------------------------------------
 
 constexpr int64_t kBlockPairs = 128;  // k pairs per fixed-point block of x (256 k)
@@ -654,20 +675,13 @@ void panel_linear_int8_as_float(at::Tensor& out, const at::Tensor& x, const at::
   const int8_t* wp = panels.data_ptr<int8_t>();
   float* op = out.data_ptr<float>();
   const int64_t ldx = x.stride(0), ldo = out.stride(0);
-  const int64_t row_chunk = rows_per_chunk(k_size * static_cast<int64_t>(sizeof(float)), kMaxRows);
-  const int64_t tile_work = std::max<int64_t>(1, std::min(m, row_chunk) * k_size * kTilePanels * kLanes);
-  const int64_t grain = std::max<int64_t>(1, 65536 / tile_work);
-  for_each_chunk_and_tile(m, row_chunk, num_tiles, grain, [&](int64_t r0, int64_t rows, int64_t tile, int64_t) {
+  for_each_float_tile(m, k_size, num_tiles, [&](int64_t r0, int64_t rows, int64_t tile, int64_t) {
     thread_local std::vector<float> tile_buffer;
     tile_buffer.resize(kTilePanels * k_size * kLanes);
-    const int64_t p0 = tile * kTilePanels, t_count = std::min(kTilePanels, num_panels - p0);
-    dequantize_panels(wp + p0 * k2 * 2 * kLanes, t_count, k2, k_size, scale + p0 * kLanes, tile_buffer.data());
-    if (t_count == kTilePanels)
-      rows_kernel<kTilePanels>(rows, xp + r0 * ldx, ldx, tile_buffer.data(), k_size, nullptr, bias, op + r0 * ldo,
-                               ldo, p0 * kLanes, n, nullptr);
-    else
-      rows_kernel<1>(rows, xp + r0 * ldx, ldx, tile_buffer.data(), k_size, nullptr, bias, op + r0 * ldo, ldo,
-                     p0 * kLanes, n, nullptr);
+    const int64_t p0 = tile * kTilePanels, panel_count = std::min(kTilePanels, num_panels - p0);
+    dequantize_panels(wp + p0 * k2 * 2 * kLanes, panel_count, k2, k_size, scale + p0 * kLanes, tile_buffer.data());
+    float_tile(rows, xp + r0 * ldx, ldx, tile_buffer.data(), panel_count, k_size, nullptr, bias, op + r0 * ldo, ldo,
+               p0 * kLanes, n, nullptr);
   });
 }
 
@@ -717,20 +731,13 @@ void panel_linear_float(at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   const float* wp = panels.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t ldx = x.stride(0), ldo = out.stride(0);
-  const int64_t row_chunk = rows_per_chunk(k_size * static_cast<int64_t>(sizeof(float)), kMaxRows);
-  // A chunk of work should hold >= ~64k multiply-adds to pay a thread hand-off.
-  const int64_t tile_work = std::max<int64_t>(1, std::min(m, row_chunk) * k_size * kTilePanels * kLanes);
-  const int64_t grain = std::max<int64_t>(1, 65536 / tile_work);
-  for_each_chunk_and_tile(m, row_chunk, num_tiles, grain, [&](int64_t r0, int64_t rows, int64_t tile, int64_t end) {
+  for_each_float_tile(m, k_size, num_tiles, [&](int64_t r0, int64_t rows, int64_t tile, int64_t end) {
     const int64_t p0 = tile * kTilePanels;
     const float* panel = wp + p0 * k_size * kLanes;
-    const int64_t n0 = p0 * kLanes;
     const bool next_here = tile + 1 < end && p0 + 2 * kTilePanels <= num_panels;
     const float* next = next_here ? panel + kTilePanels * k_size * kLanes : nullptr;
-    if (p0 + kTilePanels <= num_panels)
-      rows_kernel<kTilePanels>(rows, xp + r0 * ldx, ldx, panel, k_size, scale, bias, op + r0 * ldo, ldo, n0, n, next);
-    else
-      rows_kernel<1>(rows, xp + r0 * ldx, ldx, panel, k_size, scale, bias, op + r0 * ldo, ldo, n0, n, nullptr);
+    float_tile(rows, xp + r0 * ldx, ldx, panel, std::min(kTilePanels, num_panels - p0), k_size, scale, bias,
+               op + r0 * ldo, ldo, p0 * kLanes, n, next);
   });
 }
 
