@@ -191,6 +191,11 @@ class TensorParallelExecutor:
         for proc in self._procs:
             proc.join(max(0.0, deadline - time.monotonic()))
         self._kill_workers()
+        # The monitor may be reaping a worker at this moment (its join and ours race for
+        # the exit status; the loser's join returns before the Process records it): once
+        # it is done, every worker's exit is recorded and none is left among the children.
+        if threading.current_thread() is not self._monitor:
+            self._monitor.join(_JOIN_S)
         for pipe in self._pipes:
             pipe.close()
         if hasattr(self, "comm"):
