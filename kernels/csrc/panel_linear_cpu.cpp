@@ -776,7 +776,7 @@ void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& panels,
 std::string panel_kernel_isa() {
 #if defined(__AVX512F__)
   return "avx512";
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(TANDEM_AVX2_FLOAT)
   return "avx2";
 #else
   return "portable";
