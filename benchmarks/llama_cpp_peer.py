@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import random
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--gen-len", type=int, default=64)
     p.add_argument("--threads", type=int, default=2, help="threads for both sides (default 2)")
-    p.add_argument("--repeats", type=int, default=2, help="runs per cell; the best is kept (default 2)")
+    p.add_argument("--repeats", type=int, default=2, help="runs per cell, the two sides by turns; the best of each is kept and the run-by-run ratios are printed (default 2)")
     p.add_argument("--configs", default="fp32,int8", help="Tandem configurations (default fp32,int8)")
     p.add_argument("--accuracy-prompts", type=int, default=16,
                    help="prompts of the int8 vs float32 accuracy check (default 16; 0: skip)")
@@ -165,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         peer_name, gguf = peers[name]
         for batch in sizes:
             best: dict[str, Rates] = {}
+            pair_ratios: list[float] = []  # Tandem / peer generation rate, run r against run r
             for r in range(args.repeats):
                 t = tandem_rates(core, batch, args.prompt_len, args.gen_len, seed=r)
                 if "tandem" not in best or t.generation > best["tandem"].generation:
@@ -173,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                     lr = llama_rates(args.llama_bench, gguf, batch, args.prompt_len, args.gen_len, args.threads)
                     if "peer" not in best or lr.generation > best["peer"].generation:
                         best["peer"] = lr
+                    pair_ratios.append(t.generation / lr.generation)
             t = best["tandem"]
             rows.append([f"Tandem {name}", batch, f"{t.prompt:.1f}", f"{t.generation:.1f}", f"{t.total:.1f}",
                          f"{t.step_ms:.2f}", ""])
@@ -180,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
                 lr = best["peer"]
                 rows.append([peer_name, batch, f"{lr.prompt:.1f}", f"{lr.generation:.1f}", f"{lr.total:.1f}",
                              f"{lr.step_ms:.2f}", f"{t.generation / lr.generation:.2f}x"])
+                # On a machine whose memory bandwidth drifts, each side's best can come from
+                # a different period; adjacent runs share one.
+                print(f"{name} batch {batch}: Tandem / peer, run by run: "
+                      + " ".join(f"{x:.2f}" for x in pair_ratios)
+                      + f"; median {statistics.median(pair_ratios):.2f}x", flush=True)
             print(format_table(["", "batch", "prompt tok/s", "gen tok/s", "job tok/s", "ms/step",
                                 "Tandem gen / peer"], rows[-2 if "peer" in best else -1:]), flush=True)
         del core

@@ -182,6 +182,23 @@ class SamplingMetadata:
         )
 
 
+def argmax_suffices(p: SamplingParams, num_output: int, eos_token_id: int | None) -> bool:
+    """Whether a row's token is the first argmax of its raw logits, as the sampler would
+    pick it: greedy (or top_k = 1), no logprobs asked, and no mask, bias or penalty that
+    edits the row. A decode batch of only such rows skips ``SamplingMetadata``."""
+    if not (p.greedy or (p.top_k_enabled and p.top_k == 1)):
+        return False
+    return (
+        p.logprobs is None
+        and p.presence_penalty == 0.0
+        and p.frequency_penalty == 0.0
+        and p.repetition_penalty == 1.0
+        and not p.logit_bias
+        and p.allowed_token_ids is None
+        and _min_tokens_block(p, num_output, eos_token_id) is None
+    )
+
+
 def _min_tokens_block(
     p: SamplingParams, num_output: int, eos_token_id: int | None
 ) -> set[int] | None:

@@ -19,6 +19,7 @@ from engine_service.sampler import (
     LogprobsTensors,
     Sampler,
     SamplingMetadata,
+    argmax_suffices,
     compute_logprobs_tensors,
 )
 from tandem.protocol.sampling_params import SamplingParams
@@ -320,6 +321,66 @@ def test_penalties_through_sampler_and_from_requests() -> None:
     )
     sampled = Sampler()(logits, md).sampled_token_ids
     assert torch.equal(sampled, expected.argmax(-1))
+
+
+def _random_params(rng: random.Random) -> SamplingParams:
+    """Greedy-ish params with each knob that could change the pick switched on at random."""
+    knobs: dict[str, Any] = {}
+    if rng.random() < 0.3:
+        knobs["temperature"] = rng.choice([0.7, 1.0])
+        knobs["top_k"] = rng.choice([1, 1, 5])
+    else:
+        knobs["temperature"] = 0.0
+    if rng.random() < 0.15:
+        knobs["logprobs"] = rng.choice([0, 3])
+    if rng.random() < 0.15:
+        knobs["presence_penalty"] = 1.5
+    if rng.random() < 0.15:
+        knobs["repetition_penalty"] = 1.8
+    if rng.random() < 0.15:
+        knobs["logit_bias"] = {rng.randrange(V): 50.0}
+    if rng.random() < 0.15:
+        knobs["allowed_token_ids"] = rng.sample(range(V), 3)
+    if rng.random() < 0.2:
+        knobs["min_tokens"] = 4
+        knobs["stop_token_ids"] = [rng.randrange(V)]
+    return SamplingParams(**knobs)
+
+
+def test_argmax_suffices_only_where_the_sampler_picks_the_raw_argmax() -> None:
+    rng = random.Random(random.randrange(2**32))
+    prompts, outputs = _random_histories()
+    for _ in range(40):
+        params = [_random_params(rng) for _ in range(B)]
+        logits = _logits()
+        # Each row's top token is a prompt token just above the runner-up, so a penalty,
+        # a bias or a mask would move the pick.
+        for row in range(B):
+            logits[row, prompts[row][0]] = logits[row].max() + 0.01
+        eos = [rng.randrange(V) for _ in range(B)]
+        md = SamplingMetadata.from_requests(params, prompts, outputs, [None] * B, eos, V, "cpu")
+        sampled = Sampler()(logits, md).sampled_token_ids
+        argmax = logits.argmax(-1)
+        for row, p in enumerate(params):
+            if argmax_suffices(p, len(outputs[row]), eos[row]):
+                assert sampled[row] == argmax[row], p
+    # Every knob that edits a greedy row's logits, or asks for logprobs, turns it off.
+    assert argmax_suffices(SamplingParams(temperature=0.0), 0, 7)
+    assert argmax_suffices(SamplingParams(temperature=1.0, top_k=1), 0, 7)
+    assert argmax_suffices(SamplingParams(temperature=0.0, min_tokens=2), 2, 7)
+    assert argmax_suffices(SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True), 0, 7)
+    for knob in (
+        dict(temperature=1.0),
+        dict(logprobs=0),
+        dict(presence_penalty=0.5),
+        dict(frequency_penalty=-0.5),
+        dict(repetition_penalty=1.1),
+        dict(logit_bias={3: 1.0}),
+        dict(allowed_token_ids=[1, 2]),
+        dict(min_tokens=2),
+    ):
+        p = SamplingParams(**{"temperature": 0.0, **knob})
+        assert not argmax_suffices(p, 1, 7), knob
 
 
 # --- seeded rows -----------------------------------------------------------------------

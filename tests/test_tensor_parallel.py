@@ -60,6 +60,11 @@ class LogitRecorder:
         self.logits.append(logits.detach().clone())
         return self.sampler(logits, metadata)  # type: ignore[operator]
 
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """The runner's path for batches of plain greedy rows."""
+        self.logits.append(logits.detach().clone())
+        return self.sampler.argmax(logits)  # type: ignore[attr-defined]
+
 
 @dataclass
 class Case:
