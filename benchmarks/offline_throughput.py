@@ -185,6 +185,7 @@ def run_tandem(
         "num_kv_blocks": core.num_blocks,
         "enable_prefix_caching": config.enable_prefix_caching,
         "enable_chunked_prefill": config.enable_chunked_prefill,
+        "device": config.torch_device.type,
         "dtype": str(config.torch_dtype).removeprefix("torch."),
         "attention_backend": config.resolved_attention_backend,
         "linear_backend": config.resolved_linear_backend,
@@ -391,6 +392,55 @@ def agreement(outputs: list[list[int]], tandem: list[list[int]]) -> str:
 # ---- main -------------------------------------------------------------------------------------
 
 
+def _print_roofline(
+    roof: Roofline, wl: Workload, tandem: Measurement, engine_info: dict[str, Any], decode_batch: int
+) -> dict[str, float | None]:
+    """Print the workload's CPU roofline and Tandem's share of it; returns the shares."""
+    bound_s = roof.workload_seconds(wl.prompt_tokens, wl.output_tokens, decode_batch)
+    lim = roof.limits
+    print(
+        f"roofline: fp32 matmul {lim.matmul_gflops:.0f} GFLOP/s (torch.mm {lim.matmul_gflops_torch:.0f}, "
+        f"oneDNN packed {lim.matmul_gflops_onednn:.0f}, panel kernel {lim.matmul_gflops_panel:.0f}), "
+        f"copy {lim.copy_gbps:.1f} GB/s; "
+        f"{roof.body_flops_per_token / 1e6:.0f} + {roof.head_flops_per_token / 1e6:.0f} (LM head) "
+        f"MFLOP and {roof.weight_bytes / 2**20:.0f} MiB of weights per token/step; prefill "
+        f"{roof.prefill_tokens_per_s():.0f} tok/s, decode at batch {decode_batch} "
+        f"{roof.decode_tokens_per_s(decode_batch):.0f} tok/s, decode at batch 1 "
+        f"{roof.decode_tokens_per_s(1):.1f} tok/s"
+    )
+    print(
+        f"roofline for this workload: {bound_s:.1f} s, i.e. {wl.output_tokens / bound_s:.0f} output "
+        f"tok/s; Tandem reaches {100 * bound_s / tandem.seconds:.0f}% of it"
+    )
+    bound_attn_s = roof.workload_seconds_with_attention(
+        [len(p) for p in wl.prompts], wl.max_tokens, decode_batch
+    )
+    print(
+        f"roofline with attention (prefill attention FLOPs, decode KV-cache reads): {bound_attn_s:.1f} s, "
+        f"i.e. {wl.output_tokens / bound_attn_s:.0f} output tok/s; Tandem reaches "
+        f"{100 * bound_attn_s / tandem.seconds:.0f}% of it"
+    )
+    decode_fraction = None
+    if engine_info["decode_only_steps"]:
+        d_steps, d_tokens = engine_info["decode_only_steps"], engine_info["decode_only_tokens"]
+        d_rate = d_tokens / engine_info["decode_only_seconds"]
+        d_batch = d_tokens / d_steps
+        d_bound = roof.decode_tokens_per_s(d_batch)
+        decode_fraction = d_rate / d_bound
+        print(
+            f"Tandem decode: {d_steps} decode-only steps, mean batch {d_batch:.1f}, "
+            f"{d_rate:.0f} tok/s against a roofline of {d_bound:.0f} tok/s at that batch: "
+            f"{100 * decode_fraction:.0f}%"
+        )
+    return {
+        "workload_seconds": bound_s,
+        "tandem_fraction": bound_s / tandem.seconds,
+        "workload_seconds_with_attention": bound_attn_s,
+        "tandem_fraction_with_attention": bound_attn_s / tandem.seconds,
+        "tandem_decode_fraction": decode_fraction,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads is not None:
@@ -449,8 +499,11 @@ def main(argv: list[str] | None = None) -> int:
         log(f"  {cb.output_tokens} tokens in {cb.seconds:.1f}s")
         agree[cb.system] = agreement(cb_outs, tandem_tokens)
 
-    log("machine limits (fp32 matmul, memory copy) ...")
-    roof = Roofline.for_model(model_dir, measure_machine())
+    # The roofline's machine model (fp32 GEMM rate, copy bandwidth) is the CPU's.
+    roof = None
+    if engine_info["device"] == "cpu":
+        log("machine limits (fp32 matmul, memory copy) ...")
+        roof = Roofline.for_model(model_dir, measure_machine())
     decode_batch = min(len(wl), args.max_num_seqs)
 
     rows = []
@@ -472,7 +525,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"model: {model_dir} ({hf_config.get('architectures', ['?'])[0]}, "
         f"{hf_config.get('num_hidden_layers')} layers, hidden {hf_config.get('hidden_size')}, "
-        f"vocab {hf_config.get('vocab_size')}), float32"
+        f"vocab {hf_config.get('vocab_size')}); Tandem in {engine_info['dtype']} on "
+        f"{engine_info['device']}, Hugging Face in float32 on the CPU"
     )
     print(
         f"torch {torch.__version__}, transformers {transformers.__version__}, "
@@ -488,42 +542,14 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("output tok: tokens the requests asked for; raw tok: tokens generated, padding included")
     print("Tandem: " + ", ".join(f"{k}={v}" for k, v in engine_info.items()))
-    bound_s = roof.workload_seconds(wl.prompt_tokens, wl.output_tokens, decode_batch)
-    lim = roof.limits
-    print(
-        f"roofline: fp32 matmul {lim.matmul_gflops:.0f} GFLOP/s (torch.mm {lim.matmul_gflops_torch:.0f}, "
-        f"oneDNN packed {lim.matmul_gflops_onednn:.0f}, panel kernel {lim.matmul_gflops_panel:.0f}), "
-        f"copy {lim.copy_gbps:.1f} GB/s; "
-        f"{roof.body_flops_per_token / 1e6:.0f} + {roof.head_flops_per_token / 1e6:.0f} (LM head) "
-        f"MFLOP and {roof.weight_bytes / 2**20:.0f} MiB of weights per token/step; prefill "
-        f"{roof.prefill_tokens_per_s():.0f} tok/s, decode at batch {decode_batch} "
-        f"{roof.decode_tokens_per_s(decode_batch):.0f} tok/s, decode at batch 1 "
-        f"{roof.decode_tokens_per_s(1):.1f} tok/s"
-    )
-    print(
-        f"roofline for this workload: {bound_s:.1f} s, i.e. {wl.output_tokens / bound_s:.0f} output "
-        f"tok/s; Tandem reaches {100 * bound_s / tandem.seconds:.0f}% of it"
-    )
-    bound_attn_s = roof.workload_seconds_with_attention(
-        [len(p) for p in wl.prompts], wl.max_tokens, decode_batch
-    )
-    print(
-        f"roofline with attention (prefill attention FLOPs, decode KV-cache reads): {bound_attn_s:.1f} s, "
-        f"i.e. {wl.output_tokens / bound_attn_s:.0f} output tok/s; Tandem reaches "
-        f"{100 * bound_attn_s / tandem.seconds:.0f}% of it"
-    )
-    decode_fraction = None
-    if engine_info["decode_only_steps"]:
-        d_steps, d_tokens = engine_info["decode_only_steps"], engine_info["decode_only_tokens"]
-        d_rate = d_tokens / engine_info["decode_only_seconds"]
-        d_batch = d_tokens / d_steps
-        d_bound = roof.decode_tokens_per_s(d_batch)
-        decode_fraction = d_rate / d_bound
+    shares = None
+    if roof is None:
         print(
-            f"Tandem decode: {d_steps} decode-only steps, mean batch {d_batch:.1f}, "
-            f"{d_rate:.0f} tok/s against a roofline of {d_bound:.0f} tok/s at that batch: "
-            f"{100 * decode_fraction:.0f}%"
+            f"roofline: not computed (its machine model is the CPU's; this engine ran on "
+            f"{engine_info['device']})"
         )
+    else:
+        shares = _print_roofline(roof, wl, tandem, engine_info, decode_batch)
     if not args.skip_hf:
         print(
             f"HF generate(): static batches in request order, left padding, each batch runs "
@@ -556,7 +582,9 @@ def main(argv: list[str] | None = None) -> int:
             "hf_continuous_batching": None if cb is None else {**cb.to_dict(), "config": cb_info},
             "token_agreement_with_tandem": agree,
             "parity": None if parity is None else {"ok": parity[0], "detail": parity[1]},
-            "roofline": {
+            "roofline": None
+            if roof is None or shares is None
+            else {
                 "matmul_gflops": roof.limits.matmul_gflops,
                 "copy_gbps": roof.limits.copy_gbps,
                 "matmul_gflops_torch": roof.limits.matmul_gflops_torch,
@@ -566,11 +594,7 @@ def main(argv: list[str] | None = None) -> int:
                 "body_flops_per_token": roof.body_flops_per_token,
                 "weight_bytes": roof.weight_bytes,
                 "decode_batch": decode_batch,
-                "workload_seconds": bound_s,
-                "tandem_fraction": bound_s / tandem.seconds,
-                "workload_seconds_with_attention": bound_attn_s,
-                "tandem_fraction_with_attention": bound_attn_s / tandem.seconds,
-                "tandem_decode_fraction": decode_fraction,
+                **shares,
             },
         }
         with open(args.json, "w") as f:
