@@ -89,6 +89,14 @@ class EngineConfig:
             "cpu on CPU when its kernel builds, else torch."
         },
     )
+    enforce_eager: bool = field(
+        default=False,
+        metadata={
+            "help": "CUDA: run every step eagerly. By default decode batches replay a CUDA "
+            "graph captured at start-up per padded batch size (without LoRA or tensor "
+            "parallelism): a small model's decode step is bound by kernel launches otherwise."
+        },
+    )
     linear_backend: Literal["auto", "torch", "onednn", "panel"] = field(
         default="auto",
         metadata={

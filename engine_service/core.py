@@ -152,7 +152,7 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
         )
         self.runner = ModelRunner(
             config, self.model, self.model_config, kv_caches, self.kv_manager, self.structured, self.lora,
-            self.executor,
+            self.executor, max_blocks_per_seq=-(-self.max_model_len // config.block_size),
         )
         # Requests ended outside a step's forward pass (aborts, expired deadlines): the
         # next outputs report them.
@@ -160,6 +160,9 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
         self.admission = AdmissionController(self._admission_limits())
         self.sleep_level = 0  # 0: awake; 1: KV cache released; 2: weights released too
         self.profiler = Profiler(config.profiler_dir, engine_index)
+        if config.torch_device.type == "cuda" and config.resolved_attention_backend == "triton":
+            self._warm_up_kernels()
+        self.runner.capture_cuda_graphs()
         logger.info(
             "engine %d ready in %.1fs: %s, %d KV blocks of %d tokens, max_model_len %d",
             engine_index,
@@ -247,23 +250,47 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
     def _dummy_forward(self) -> None:
         """A forward of max_num_batched_tokens tokens on a throwaway one-block cache."""
         n = min(self.config.max_num_batched_tokens, self.max_model_len)
-        mc, dev = self.shard_config, self.config.torch_device
-        caches = allocate_kv_caches(mc, -(-n // self.config.block_size), self.config.block_size, self.config.torch_dtype, dev)
+        self._scratch_forward(num_seqs=1, tokens_per_seq=n, width=-(-n // self.config.block_size))
+
+    def _scratch_forward(self, num_seqs: int, tokens_per_seq: int, width: int) -> None:
+        """A forward of ``num_seqs`` sequences of ``tokens_per_seq`` new tokens each, the
+        last of a context that needs ``width`` KV blocks, on a throwaway cache of ``width``
+        blocks (shared by every sequence: what is written there is never read back)."""
+        bs, mc, dev = self.config.block_size, self.shard_config, self.config.torch_device
+        caches = allocate_kv_caches(mc, width, bs, self.config.torch_dtype, dev)
+        seq_len = max(tokens_per_seq, (width - 1) * bs + 1)
+        n = num_seqs * tokens_per_seq
+        positions = torch.arange(seq_len - tokens_per_seq, seq_len, device=dev).repeat(num_seqs)  # [n]
         attn = AttentionMetadata(
-            slot_mapping=torch.arange(n, device=dev),
-            block_tables=torch.arange(len(caches[0][0]), dtype=torch.int32, device=dev)[None],
-            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
-            max_query_len=n,
-            max_seq_len=n,
+            slot_mapping=positions % (width * bs),
+            block_tables=torch.arange(width, dtype=torch.int32, device=dev).repeat(num_seqs, 1),
+            query_start_loc=torch.arange(0, n + 1, tokens_per_seq, dtype=torch.int32, device=dev),
+            seq_lens=torch.full((num_seqs,), seq_len, dtype=torch.int32, device=dev),
+            max_query_len=tokens_per_seq,
+            max_seq_len=seq_len,
         )
+        logit_rows = list(range(tokens_per_seq - 1, n, tokens_per_seq))
         with torch.inference_mode():
             ids = torch.zeros(n, dtype=torch.int64, device=dev)
             if self.executor is not None:  # every rank runs it, on a scratch cache alike
-                self.executor.broadcast_step(ids, torch.arange(n, device=dev), attn, [n - 1], len(caches[0][0]))
-            hidden = self.model(ids, torch.arange(n, device=dev), caches, attn)
-            self.model.compute_logits(hidden[-1:])
+                self.executor.broadcast_step(ids, positions, attn, logit_rows, width)
+            hidden = self.model(ids, positions, caches, attn)
+            self.model.compute_logits(hidden[logit_rows])
         del caches
+
+    def _warm_up_kernels(self) -> None:
+        """Compile the Triton kernels' variants before the first request. Triton
+        specialises a kernel on each integer argument being 1, a multiple of 16 or
+        neither (and the attention's tiles on decode vs prefill), so the first step of
+        each new class (batch size, prompt chunk, block-table width) would stop for a
+        compile: ~350 ms each on an H200, seen mid-decode. Compiled kernels also land in
+        Triton's on-disk cache, so a later start only loads them."""
+        start = time.perf_counter()
+        cfg = self.config
+        shapes = warm_up_shapes(cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len, cfg.block_size)
+        for num_seqs, tokens_per_seq, width in shapes:
+            self._scratch_forward(num_seqs, tokens_per_seq, width)
+        logger.info("engine %d: Triton kernels warmed up in %.1fs", self.engine_index, time.perf_counter() - start)
 
     # ---- requests --------------------------------------------------------------------
 
@@ -447,6 +474,26 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
         if not self._aborted:
             return None
         return self._make_outputs(SchedulerOutput(), RunnerOutput(), [])
+
+
+def warm_up_shapes(
+    max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, block_size: int
+) -> list[tuple[int, int, int]]:
+    """(sequences, new tokens per sequence, block-table width) of the warm-up forwards:
+    each count at 1, 2 and 16 (Triton's integer classes: 1, a multiple of 16, neither),
+    within the engine's limits: at most ``max_num_seqs`` sequences and
+    ``max_num_batched_tokens`` tokens, contexts of at most ``max_model_len``. One new
+    token per sequence is decode; more is a prefill chunk."""
+    counts = (1, 2, 16)
+    return [
+        (seqs, tokens, width)
+        for seqs in counts
+        for tokens in counts
+        for width in counts
+        if seqs <= max_num_seqs
+        and seqs * tokens <= max_num_batched_tokens
+        and max(tokens, (width - 1) * block_size + 1) <= max_model_len
+    ]
 
 
 def _phase(tracer: Any, name: str) -> contextlib.AbstractContextManager[Any]:

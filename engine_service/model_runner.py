@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -11,6 +12,7 @@ import torch
 
 from engine_service.attention import AttentionMetadata
 from engine_service.config import ConfigError, EngineConfig
+from engine_service.cuda_graphs import DecodeGraphs
 from engine_service.kv_cache.manager import KVCacheManager
 from engine_service.lora import LoRAManager
 from engine_service.request import Request
@@ -95,9 +97,11 @@ class ModelRunner:
         structured: StructuredOutputManager | None = None,
         lora: LoRAManager | None = None,
         executor: TensorParallelExecutor | None = None,
+        max_blocks_per_seq: int = 1,
     ) -> None:
         """``executor``: with tensor parallelism, ``model`` is rank 0's shard and every
-        forward is first broadcast to the other ranks; None: one process."""
+        forward is first broadcast to the other ranks; None: one process.
+        ``max_blocks_per_seq``: KV blocks of the longest sequence (the graphs' block-table width)."""
         self.config = config
         self.model = model
         self.model_config = model_config
@@ -109,6 +113,24 @@ class ModelRunner:
         self.structured = structured
         self.lora = lora  # None: LoRA off, the forward never looks at adapters
         self.executor = executor
+        # CUDA decode graphs (see engine_service/cuda_graphs.py); None: every step eager.
+        self.graphs: DecodeGraphs | None = None
+        if config.torch_device.type == "cuda" and not config.enforce_eager and lora is None and executor is None:
+            self.graphs = DecodeGraphs(
+                config.max_num_seqs, max_blocks_per_seq, model_config.hidden_size, config.torch_device
+            )
+
+    def capture_cuda_graphs(self) -> None:
+        """(Re)capture the decode graphs over the current model and KV cache."""
+        if self.graphs is not None:
+            start = time.perf_counter()
+            self.graphs.capture(self.model, self.kv_caches)
+            logger.info("captured %d decode CUDA graphs in %.1fs", len(self.graphs.sizes), time.perf_counter() - start)
+
+    def release_cuda_graphs(self) -> None:
+        """Drop the graphs before the weights or the KV cache move (sleep mode)."""
+        if self.graphs is not None:
+            self.graphs.release()
 
     # ---- inputs --------------------------------------------------------------
 
@@ -191,7 +213,9 @@ class ModelRunner:
         if self.executor is not None:
             self.executor.broadcast_step(batch.input_ids, batch.positions, batch.attn, batch.logit_rows)
         try:
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
+            hidden = self.graphs.forward(batch.input_ids, batch.positions, batch.attn) if self.graphs else None
+            if hidden is None:
+                hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
         finally:
             if self.lora is not None:
                 self.lora.end_step()

@@ -48,6 +48,7 @@ class SleepMode:
         self.kv_manager.reset_prefix_cache()
         if self.executor is not None:
             self.executor.sleep(level)
+        self.runner.release_cuda_graphs()  # they hold the weights' and the cache's addresses
         self.runner.kv_caches = []
         if level == 2:
             self.model = self.runner.model = None  # type: ignore[assignment]
@@ -77,6 +78,7 @@ class SleepMode:
         elif self.config.torch_device.type == "cuda":
             self.model.to(self.config.torch_device)
         self.runner.kv_caches = self._allocate_kv_caches()  # type: ignore[attr-defined]
+        self.runner.capture_cuda_graphs()
         self.sleep_level = 0
         logger.info("engine %d awake", self.engine_index)
 

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine_service.config import ConfigError, EngineConfig
-from engine_service.core import EngineCore
+from engine_service.core import EngineCore, warm_up_shapes
 from engine_service.core_loop import EngineCoreLoop, EngineDead, UtilityCall
 from tandem.protocol.outputs import EngineCoreOutputs, EngineCoreRequest, FinishReason
 from tandem.protocol.sampling_params import InvalidRequestError, SamplingParams
@@ -156,6 +156,33 @@ def test_abort_reports_and_frees(core: EngineCore) -> None:
     core.abort_requests(["b"])
     assert not core.has_unfinished_requests()
     core.kv_manager.pool.check_all_free()
+
+
+def test_warm_up_shapes_cover_each_integer_class() -> None:
+    shapes = warm_up_shapes(max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=4096, block_size=16)
+    for axis in range(3):  # sequences, tokens per sequence, block-table width
+        assert {shape[axis] for shape in shapes} == {1, 2, 16}
+    assert (1, 1, 1) in shapes and (16, 16, 16) in shapes and len(set(shapes)) == 27
+    # Within the engine's limits: sequences, tokens a step, context length.
+    small = warm_up_shapes(max_num_seqs=8, max_num_batched_tokens=24, max_model_len=40, block_size=16)
+    assert small and all(s <= 8 and s * t <= 24 and w <= 3 for s, t, w in small)
+    assert {s for s, _, _ in small} == {1, 2} and {w for _, _, w in small} == {1, 2}
+
+
+def test_warm_up_forwards_leave_the_engine_as_it_was(core: EngineCore) -> None:
+    """Every warm-up shape runs (consistent metadata on a scratch cache); the engine's
+    own KV cache is not written and it serves as before."""
+    before = [(k.clone(), v.clone()) for k, v in core.runner.kv_caches]
+    cfg = core.config
+    shapes = warm_up_shapes(cfg.max_num_seqs, cfg.max_num_batched_tokens, core.max_model_len, cfg.block_size)
+    assert len(shapes) == 27
+    for shape in shapes:
+        core._scratch_forward(*shape)
+    for (k0, v0), (k1, v1) in zip(before, core.runner.kv_caches, strict=True):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    rng = random.Random(5)
+    core.add_request(EngineCoreRequest("after-warm-up", _prompt(core, 20, rng), SamplingParams(max_tokens=4)))
+    assert len([t for o in _drain(core)["after-warm-up"] for t in o.new_token_ids]) == 4
 
 
 def test_kv_budget_too_small_is_refused(tiny_llama_dir: str) -> None:
