@@ -106,6 +106,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="Tokens compared per parity request (default: all with --smoke, else 32).",
     )
     p.add_argument("--skip-hf", action="store_true", help="Run Tandem only.")
+    p.add_argument(
+        "--enforce-eager", action="store_true", help="CUDA: no decode graphs (EngineConfig.enforce_eager)."
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="Write the results as JSON here.")
     args = p.parse_args(argv)
     defaults = SMOKE_DEFAULTS if args.smoke else FULL_DEFAULTS
@@ -146,6 +149,7 @@ def run_tandem(
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_threads=args.threads,
         seed=args.seed,
+        enforce_eager=args.enforce_eager,
     )
     core = EngineCore(config)
 
@@ -186,6 +190,7 @@ def run_tandem(
         "enable_prefix_caching": config.enable_prefix_caching,
         "enable_chunked_prefill": config.enable_chunked_prefill,
         "device": config.torch_device.type,
+        "cuda_graphs": core.runner.graphs is not None,
         "dtype": str(config.torch_dtype).removeprefix("torch."),
         "attention_backend": config.resolved_attention_backend,
         "linear_backend": config.resolved_linear_backend,

@@ -123,3 +123,18 @@ def test_cuda_graphs_match_eager_on_the_gpu(tiny_llama_dir: str) -> None:
     budgets = [2, 5, 9, 17, 24, 33]
     assert _generate(graphed, prompts, budgets) == _generate(eager, prompts, budgets)
     assert {8, 4, 2, 1} <= set(used)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("level", [1, 2])
+def test_cuda_graphs_after_sleep_and_wake(tiny_llama_dir: str, level: int) -> None:
+    """Sleep moves (level 1) or reloads (level 2) the weights and frees the KV cache: the
+    graphs captured on wake read the new addresses."""
+    core = _core(tiny_llama_dir, device="cuda", dtype="float32")
+    prompts = [[9, 10, 11, 12], [13, 14, 15, 16, 17, 18]]
+    before = _generate(core, prompts, [7, 11])
+    core.sleep(level)
+    assert not core.runner.graphs.captured
+    core.wake_up()
+    assert core.runner.graphs.captured
+    assert _generate(core, prompts, [7, 11]) == before
