@@ -13,7 +13,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -247,6 +247,11 @@ class MachineLimits:
     matmul_gflops_torch: float = 0.0  # torch.mm (the BLAS torch was built with: MKL)
     matmul_gflops_onednn: float = 0.0  # oneDNN with a pre-packed weight; 0 if unavailable
     matmul_gflops_panel: float = 0.0  # Tandem's panel kernel (kernels.panel_linear); 0 if unavailable
+
+
+def faster_limits(a: MachineLimits, b: MachineLimits) -> MachineLimits:
+    """Each rate at the faster of two readings (e.g. before and after a run)."""
+    return MachineLimits(**{f.name: max(getattr(a, f.name), getattr(b, f.name)) for f in fields(a)})
 
 
 def measure_machine(repeats: int = 5) -> MachineLimits:
