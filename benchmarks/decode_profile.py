@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -36,6 +37,7 @@ from tandem.protocol.sampling_params import SamplingParams
 
 # Op name fragment -> bucket; first match wins. Names as the CPU profiler reports them.
 BUCKETS = (
+    ("panel_linear_argmax", "lm head"),  # greedy rows: the LM head with its argmax
     ("paged_attention", "attention"),
     ("flash_attention", "attention"),
     ("scaled_dot_product", "attention"),
@@ -86,29 +88,37 @@ def measure(core: EngineCore, batch: int, prompt_len: int, steps: int) -> dict[s
     for _ in range(steps):
         core.step()
     wall = (time.perf_counter() - start) / steps * 1e3
-    head = core.runner.model.compute_logits
+    model = core.runner.model
     head_ms: list[float] = []
+    fused: list[bool] = []  # the LM head ran as greedy_tokens (its argmax fused)
 
-    def timed_head(hidden: torch.Tensor) -> torch.Tensor:
-        t = time.perf_counter()
-        try:
-            return head(hidden)
-        finally:
-            head_ms.append((time.perf_counter() - t) * 1e3)
+    def timed(method: Any, is_fused: bool) -> Any:
+        def call(hidden: torch.Tensor) -> Any:
+            t = time.perf_counter()
+            try:
+                return method(hidden)
+            finally:
+                head_ms.append((time.perf_counter() - t) * 1e3)
+                fused.append(is_fused)
 
-    core.runner.model.compute_logits = timed_head  # type: ignore[method-assign]
+        return call
+
+    model.compute_logits = timed(model.compute_logits, False)  # type: ignore[method-assign]
+    model.greedy_tokens = timed(model.greedy_tokens, True)  # type: ignore[method-assign]
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
         for _ in range(steps):
             core.step()
         profiled_wall = (time.perf_counter() - start) / steps * 1e3
-    del core.runner.model.compute_logits
+    del model.compute_logits, model.greedy_tokens
     buckets: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
         buckets[_bucket(event.key)] += event.self_cpu_time_total / 1e3 / steps
-    # The LM head is one linear call per step: move its time out of "linear".
-    lm = sum(head_ms) / len(head_ms)
-    buckets["linear"] -= min(buckets["linear"], lm)
+    # The LM head is one call per step: its own op when fused, else a linear call whose
+    # time moves out of "linear".
+    lm = sum(head_ms) / len(head_ms) if head_ms else 0.0
+    if not any(fused):
+        buckets["linear"] -= min(buckets["linear"], lm)
     buckets["lm head"] = lm
     # The profiler's own cost per op falls between ops: measure "between ops" against
     # the unprofiled step (op times scaled down only if they exceed it).

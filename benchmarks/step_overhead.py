@@ -70,6 +70,7 @@ def measure(core: EngineCore, batch: int, prompt_len: int, steps: int) -> dict[s
     timers.wrap(runner, "_prepare", "prepare inputs")
     timers.wrap(runner.model, "forward", "model forward")
     timers.wrap(runner.model, "compute_logits", "lm head")
+    timers.wrap(runner.model, "greedy_tokens", "lm head")  # greedy rows: LM head and argmax in one
     timers.wrap(runner.sampler, "argmax", "sampling")  # greedy rows: the whole of sampling
     timers.wrap(sched, "update_after_step", "update")
     timers.wrap(core, "_make_outputs", "outputs")

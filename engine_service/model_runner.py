@@ -219,14 +219,27 @@ class ModelRunner:
         finally:
             if self.lora is not None:
                 self.lora.end_step()
-        # [len(logit_rows), vocab] float32; one LM-head call (a collective under TP)
         rows = batch.logit_rows
-        all_logits = None
-        if rows:
-            # A decode batch asks for every row in order: no gather (~0.1 ms at batch 1).
-            identity = len(rows) == hidden.shape[0] and rows == list(range(len(rows)))
-            all_logits = self.model.compute_logits(hidden if identity else hidden[rows])
         out = RunnerOutput()
+        # A decode batch asks for every row in order: no gather (~0.1 ms at batch 1).
+        identity = len(rows) == hidden.shape[0] and rows == list(range(len(rows)))
+        # Rows that only need their argmax, and nothing else of the logits: the LM head
+        # may hand back the tokens alone (``greedy_tokens``; None: compute the logits).
+        if (
+            rows
+            and len(rows) == len(batch.sample_rows)
+            and not batch.pool_idx
+            and mask is None
+            and self.executor is None
+            and all(argmax_suffices(r.sampling_params, len(r.output_token_ids), r.eos_token_id) for r in requests)
+        ):
+            greedy = self.model.greedy_tokens(hidden if identity else hidden[rows])
+            if greedy is not None:
+                for request, token in zip(requests, greedy.tolist(), strict=True):
+                    out.sampled[request.request_id] = token
+                return out
+        # [len(logit_rows), vocab] float32; one LM-head call (a collective under TP)
+        all_logits = self.model.compute_logits(hidden if identity else hidden[rows]) if rows else None
         self._prompt_logprobs(sched, batch, all_logits, out)
         if batch.pool_idx:
             self._pool(sched, batch, hidden, out)

@@ -206,6 +206,27 @@ def panel_linear(
     return out
 
 
+def panel_linear_argmax(
+    x: torch.Tensor,  # [M, K] float32
+    weight: PanelWeight,
+    bias: torch.Tensor | None,  # [N] float32
+) -> torch.Tensor:  # [M] int64
+    """``panel_linear(x, weight, bias).argmax(-1)`` (first column of each row's maximum),
+    each tile of the product scanned right after the kernel wrote it."""
+    threshold = gemm_min_rows(weight.in_k)
+    if threshold is not None and x.shape[0] >= threshold:
+        return panel_linear(x, weight, bias).argmax(dim=-1)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
+    tokens = torch.empty(x.shape[0], dtype=torch.int64)
+    empty = torch.empty(0)
+    torch.ops.tandem_cpu.panel_linear_argmax(
+        out, tokens, x, weight.panels, weight.scale, empty if bias is None else bias.float().contiguous()
+    )
+    return tokens
+
+
 X_BLOCK = 256  # columns of x per 16-bit fixed-point block (int8 weights)
 
 

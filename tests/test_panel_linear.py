@@ -19,6 +19,7 @@ from kernels.panel_linear import (
     onto_huge_pages,
     pack_panels,
     panel_linear,
+    panel_linear_argmax,
     panel_linear_reference,
     panels_shape,
     quantize_int8,
@@ -82,6 +83,31 @@ def test_prefill_sized_products_match_f_linear(quantize: bool, k_base: int) -> N
     # Quarters of x (below any threshold: the kernel; int8 with few rows rounds x to 16 bits).
     parts = torch.cat([panel_linear(part, packed, bias) for part in x.chunk(4)])
     torch.testing.assert_close(parts, got, atol=(2e-3 if quantize else 1e-4) * k**0.5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_panel_linear_argmax_is_the_first_column_of_the_products_max(quantize: bool) -> None:
+    """The fused argmax equals argmax over ``panel_linear``'s own output (bitwise the same
+    values), also where the maximum is tied between columns in different tiles and
+    threads' shares: the smaller column wins, as torch.argmax does."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    for m in (1, 3, 7, 16, 37):  # int8: the integer loop below 16 rows, dequantized tiles from 16
+        n, k = 300 + int(torch.randint(0, 40, (), generator=gen)), 64 + int(torch.randint(0, 80, (), generator=gen))
+        w = torch.randn(n, k, generator=gen)
+        # Output columns c0 < c1 < c2 get one weight row: equal products wherever x is.
+        c0, c1, c2 = sorted(torch.randperm(n, generator=gen)[:3].tolist())
+        w[c1] = w[c0]
+        w[c2] = w[c0]
+        x = torch.randn(m, k, generator=gen)
+        x[: m // 2 + 1] = w[c0] * 4  # these rows' maximum is the tied column triple
+        bias = torch.randn(n, generator=gen) * 0.01 if quantize else None
+        if bias is not None:
+            bias[c1] = bias[c2] = bias[c0]
+        packed = pack_panels(w, quantize)
+        want = panel_linear(x, packed, bias).argmax(dim=-1)
+        got = panel_linear_argmax(x, packed, bias)
+        assert got.dtype == torch.int64 and torch.equal(got, want), (m, n, k)
+        assert (got[: m // 2 + 1] == c0).all()
 
 
 def test_panels_hold_the_weight_and_zero_padding() -> None:

@@ -108,6 +108,8 @@ def _reconfigure(core: EngineCore, max_num_batched_tokens: int, num_blocks: int,
     )
     recorder = LogitRecorder(core.runner.sampler)
     core.runner.sampler = recorder  # type: ignore[assignment]
+    # Logits on every step for the comparison: no LM-head argmax without them on TP=1.
+    core.runner.model.greedy_tokens = lambda hidden: None  # type: ignore[method-assign]
     return recorder
 
 

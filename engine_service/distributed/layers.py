@@ -68,6 +68,10 @@ class ShardedDecoderForCausalLM(DecoderForCausalLM):
         hidden.masked_fill_(outside.unsqueeze(-1), 0.0)
         return self.comm.all_reduce(hidden)
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """None: a shard's argmax is not the model's (the logits are gathered first)."""
+        return None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
         local = super().compute_logits(hidden)  # [n, vocab_per_rank] float32
         full = self.comm.gather_last_dim(local)

@@ -18,7 +18,14 @@ from engine_service.attention import AttentionMetadata
 from engine_service.models.rotary import build_cos_sin_cache
 from kernels.dispatch import KernelOps
 from kernels.onednn_linear import pack_weight, packed_linear
-from kernels.panel_linear import PanelArena, PanelWeight, pack_panels, panel_linear, panels_shape
+from kernels.panel_linear import (
+    PanelArena,
+    PanelWeight,
+    pack_panels,
+    panel_linear,
+    panel_linear_argmax,
+    panels_shape,
+)
 from tandem.protocol.model_config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
@@ -377,6 +384,14 @@ class DecoderForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[num_tokens]`` ids -> ``[num_tokens, hidden_size]`` embeddings."""
         return F.embedding(input_ids, self.embed_tokens)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """``compute_logits(hidden).argmax(-1)`` without reading the logits back (panel-packed
+        LM head: each tile scanned while the kernel has it in cache); None for other
+        layouts, whose caller computes the logits."""
+        if isinstance(self.lm_head_packed, PanelWeight):
+            return panel_linear_argmax(hidden.float(), self.lm_head_packed, None)
+        return None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden_size]`` -> ``[n, vocab_size]`` float32 logits."""
