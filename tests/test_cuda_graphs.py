@@ -39,6 +39,11 @@ def _install_graphs(core: EngineCore) -> list[int]:
                           cfg.torch_device, capture=eager_capture)
     core.runner.graphs = graphs
     core.runner.capture_cuda_graphs()
+    return _count_replays(graphs)
+
+
+def _count_replays(graphs: DecodeGraphs) -> list[int]:
+    """Wrap each captured graph's replay; returns the list they append their size to."""
     replays: list[int] = []
     for size, (replay, out) in list(graphs._graphs.items()):
         def counted(replay=replay, size=size) -> None:
@@ -111,12 +116,7 @@ def test_cuda_graphs_match_eager_on_the_gpu(tiny_llama_dir: str) -> None:
     assert eager.runner.graphs is None
     graphs = graphed.runner.graphs
     assert graphs is not None and graphs.captured and graphs.sizes == [1, 2, 4, 8]
-    used: list[int] = []
-    for size, (replay, out) in list(graphs._graphs.items()):
-        def counted(replay=replay, size=size) -> None:
-            used.append(size)
-            replay()
-        graphs._graphs[size] = (counted, out)
+    used = _count_replays(graphs)
     rng = random.Random(4321)
     vocab = eager.model_config.vocab_size
     prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(3, 60))] for _ in range(6)]
