@@ -223,16 +223,14 @@ class ModelRunner:
         out = RunnerOutput()
         # A decode batch asks for every row in order: no gather (~0.1 ms at batch 1).
         identity = len(rows) == hidden.shape[0] and rows == list(range(len(rows)))
-        # Rows that only need their argmax, and nothing else of the logits: the LM head
-        # may hand back the tokens alone (``greedy_tokens``; None: compute the logits).
-        if (
-            rows
-            and len(rows) == len(batch.sample_rows)
-            and not batch.pool_idx
-            and mask is None
-            and self.executor is None
-            and all(argmax_suffices(r.sampling_params, len(r.output_token_ids), r.eos_token_id) for r in requests)
-        ):
+        # Every sampled row takes the argmax of its raw logits (no SamplingMetadata); when
+        # no row needs anything else of the logits, the LM head may hand back the tokens
+        # alone (``greedy_tokens``; None: compute the logits).
+        plain_greedy = mask is None and all(
+            argmax_suffices(r.sampling_params, len(r.output_token_ids), r.eos_token_id) for r in requests
+        )
+        only_sampled = bool(rows) and len(rows) == len(batch.sample_rows) and not batch.pool_idx
+        if plain_greedy and only_sampled and self.executor is None:
             greedy = self.model.greedy_tokens(hidden if identity else hidden[rows])
             if greedy is not None:
                 for request, token in zip(requests, greedy.tolist(), strict=True):
@@ -246,9 +244,7 @@ class ModelRunner:
         if not batch.sample_rows:
             return out
         logits = all_logits[len(batch.logit_rows) - len(batch.sample_rows) :]  # [B, vocab]
-        if mask is None and all(
-            argmax_suffices(r.sampling_params, len(r.output_token_ids), r.eos_token_id) for r in requests
-        ):
+        if plain_greedy:
             for request, token in zip(requests, self.sampler.argmax(logits).tolist(), strict=True):
                 out.sampled[request.request_id] = token
             return out
