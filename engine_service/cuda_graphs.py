@@ -9,7 +9,7 @@ batch size replays the whole forward in one launch.
 Each graph reads fixed input buffers and writes a fixed output buffer:
   input_ids, positions, slot_mapping [max_batch]; seq_lens [max_batch];
   block_tables [max_batch, max_blocks_per_seq]; query_start_loc = 0..max_batch;
-  out [max_batch, hidden_size].
+  out: the [size, hidden_size] hidden states the captured forward returned.
 A batch of B decode tokens runs the graph of the smallest captured size P >= B: rows
 B..P are padding (token 0 at position 0, KV slot -1 so nothing is written, a context of
 one token read from block 0), and their outputs are dropped. Graphs capture the model's
@@ -73,15 +73,12 @@ class DecodeGraphs:
         self,
         max_batch: int,
         max_blocks_per_seq: int,
-        hidden_size: int,
         device: torch.device,
         capture: GraphCapture = cuda_capture,
     ) -> None:
         if max_batch < 1 or max_blocks_per_seq < 1:
             raise ValueError(f"max_batch and max_blocks_per_seq must be >= 1, got {max_batch}, {max_blocks_per_seq}")
-        self.max_batch = max_batch
         self.max_blocks_per_seq = max_blocks_per_seq
-        self.hidden_size = hidden_size
         self.sizes = capture_sizes(max_batch)
         self._capture = capture
         with torch.inference_mode():

@@ -116,9 +116,7 @@ class ModelRunner:
         # CUDA decode graphs (see engine_service/cuda_graphs.py); None: every step eager.
         self.graphs: DecodeGraphs | None = None
         if config.torch_device.type == "cuda" and not config.enforce_eager and lora is None and executor is None:
-            self.graphs = DecodeGraphs(
-                config.max_num_seqs, max_blocks_per_seq, model_config.hidden_size, config.torch_device
-            )
+            self.graphs = DecodeGraphs(config.max_num_seqs, max_blocks_per_seq, config.torch_device)
 
     def capture_cuda_graphs(self) -> None:
         """(Re)capture the decode graphs over the current model and KV cache."""

@@ -193,17 +193,27 @@ def panel_linear(
 ) -> torch.Tensor:  # [M, N] float32
     """``x @ W.T + bias`` natively (needs ``kernels.cpu_ops.native_available()``);
     products of at least ``gemm_min_rows`` rows through ``F.linear`` on the unpacked weight."""
-    threshold = gemm_min_rows(weight.in_k)
-    if threshold is not None and x.shape[0] >= threshold:
+    if _through_torch_mm(x, weight):
         return F.linear(x, unpack_panels(weight), None if bias is None else bias.float())
+    x, out, bias_t = _kernel_operands(x, weight, bias)
+    torch.ops.tandem_cpu.panel_linear(out, x, weight.panels, weight.scale, bias_t)
+    return out
+
+
+def _through_torch_mm(x: torch.Tensor, weight: PanelWeight) -> bool:
+    threshold = gemm_min_rows(weight.in_k)
+    return threshold is not None and x.shape[0] >= threshold
+
+
+def _kernel_operands(
+    x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x with unit column stride, an [M, N] float32 output, and the bias as the op takes
+    it (empty: none)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
-    empty = torch.empty(0)
-    torch.ops.tandem_cpu.panel_linear(
-        out, x, weight.panels, weight.scale, empty if bias is None else bias.float().contiguous()
-    )
-    return out
+    return x, out, torch.empty(0) if bias is None else bias.float().contiguous()
 
 
 def panel_linear_argmax(
@@ -213,17 +223,11 @@ def panel_linear_argmax(
 ) -> torch.Tensor:  # [M] int64
     """``panel_linear(x, weight, bias).argmax(-1)`` (first column of each row's maximum),
     each tile of the product scanned right after the kernel wrote it."""
-    threshold = gemm_min_rows(weight.in_k)
-    if threshold is not None and x.shape[0] >= threshold:
+    if _through_torch_mm(x, weight):
         return panel_linear(x, weight, bias).argmax(dim=-1)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    out = torch.empty(x.shape[0], weight.out_features, dtype=torch.float32)
+    x, out, bias_t = _kernel_operands(x, weight, bias)
     tokens = torch.empty(x.shape[0], dtype=torch.int64)
-    empty = torch.empty(0)
-    torch.ops.tandem_cpu.panel_linear_argmax(
-        out, tokens, x, weight.panels, weight.scale, empty if bias is None else bias.float().contiguous()
-    )
+    torch.ops.tandem_cpu.panel_linear_argmax(out, tokens, x, weight.panels, weight.scale, bias_t)
     return tokens
 
 

@@ -35,8 +35,7 @@ def _core(model_dir: str, **overrides: object) -> EngineCore:
 def _install_graphs(core: EngineCore) -> list[int]:
     """Graphs over the core's model and cache; returns the list replays append their size to."""
     cfg = core.config
-    graphs = DecodeGraphs(MAX_BATCH, -(-core.max_model_len // cfg.block_size), core.model_config.hidden_size,
-                          cfg.torch_device, capture=eager_capture)
+    graphs = DecodeGraphs(MAX_BATCH, -(-core.max_model_len // cfg.block_size), cfg.torch_device, capture=eager_capture)
     core.runner.graphs = graphs
     core.runner.capture_cuda_graphs()
     return _count_replays(graphs)
