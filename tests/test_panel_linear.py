@@ -110,6 +110,35 @@ def test_panel_linear_argmax_is_the_first_column_of_the_products_max(quantize: b
         assert (got[: m // 2 + 1] == c0).all()
 
 
+@pytest.mark.parametrize("quantize", [False, True])
+def test_every_tile_is_written_when_threads_steal_each_others_tiles(quantize: bool) -> None:
+    """More threads than cores: threads lose their core mid-call and the others take the
+    back halves of their shares. Every output column must still be written (the output
+    starts as NaN) with the reference's values, and the fused argmax keep the smaller of
+    tied columns whichever thread computed them, in whatever order."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(6, 3 * threads))
+    try:
+        for m in (1, 2, 7, 20):
+            n, k = 4000 + int(torch.randint(0, 100, (), generator=gen)), 96
+            w = torch.randn(n, k, generator=gen)
+            c0, c1 = sorted(torch.randperm(n, generator=gen)[:2].tolist())
+            w[c1] = w[c0]
+            x = torch.randn(m, k, generator=gen)
+            x[0] = w[c0] * 4  # row 0's maximum: the tie between c0 and c1
+            packed = pack_panels(w, quantize)
+            want = panel_linear_reference(x, packed, None)
+            for _ in range(20):
+                out = torch.full((m, n), float("nan"))
+                torch.ops.tandem_cpu.panel_linear(out, x, packed.panels, packed.scale, torch.empty(0))
+                torch.testing.assert_close(out, want, atol=1e-4 * k**0.5, rtol=1e-4)
+                tokens = panel_linear_argmax(x, packed, None)
+                assert int(tokens[0]) == c0 and torch.equal(tokens, out.argmax(dim=-1)), (m, n)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_panels_hold_the_weight_and_zero_padding() -> None:
     w = torch.randn(37, 70)
     packed = pack_panels(w, quantize=False)
