@@ -72,13 +72,15 @@ def test_decode_attention_split_across_threads_matches_reference(
     torch.testing.assert_close(out, expected.float(), atol=2e-5, rtol=2e-5, msg=f"seed={seed}")
 
 
+@pytest.mark.parametrize("threads", [None, 7])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 2, 128), (4, 4, 32)])
 def test_native_prefill_attention_matches_reference_on_long_chunks(
-    num_heads: int, num_kv_heads: int, head_dim: int
+    num_heads: int, num_kv_heads: int, head_dim: int, threads: int | None
 ) -> None:
     """The native prefill kernel (float32, 16-token blocks): chunks longer than its
     32-token query blocks, whole prompts and later chunks of a prompt, NaN outside every
-    context."""
+    context and in the output before the call. With 7 threads on fewer cores, threads
+    lose their core mid-call and others steal their items: every row must still be written."""
     seed = _fresh_seed()
     gen = torch.Generator().manual_seed(seed)
     num_seqs = int(torch.randint(2, 6, (), generator=gen))
@@ -88,7 +90,13 @@ def test_native_prefill_attention_matches_reference_on_long_chunks(
     batch = _paged_batch(gen, torch.float32, num_heads, num_kv_heads, head_dim, 16, query_lens, prefix_lens)
     scale = head_dim**-0.5
     expected = _reference_attention_per_seq(batch, scale)
-    out = cpu_ops.paged_attention(**batch, scale=scale, workspace={})
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        out = torch.full_like(batch["query"], float("nan"))
+        cpu_ops.paged_attention(**batch, scale=scale, out=out, workspace={})
+    finally:
+        torch.set_num_threads(before)
     assert not out.isnan().any(), f"seed={seed}"
     torch.testing.assert_close(out, expected.float(), atol=1e-4, rtol=1e-4, msg=f"seed={seed}")
 

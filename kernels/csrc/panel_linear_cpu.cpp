@@ -30,9 +30,9 @@
 #include <torch/library.h>
 
 #include "cpu_kernels.h"
+#include "work_stealing.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -375,80 +375,17 @@ int64_t rows_per_chunk(int64_t row_bytes, int64_t block) {
   return std::max<int64_t>(block, (256 * 1024 / std::max<int64_t>(row_bytes, 1)) / block * block);
 }
 
-// A thread's range of tiles [next, end), packed into one word so that its owner (taking
-// `next` from the front) and a thief (cutting `end` back) never both get a tile.
-struct alignas(64) TileRange {
-  std::atomic<uint64_t> word{0};
-  static uint64_t pack(int64_t next, int64_t end) { return static_cast<uint64_t>(next) << 32 | static_cast<uint64_t>(end); }
-  static int64_t next_of(uint64_t w) { return static_cast<int64_t>(w >> 32); }
-  static int64_t end_of(uint64_t w) { return static_cast<int64_t>(w & 0xFFFFFFFFu); }
-  // The front tile, or false when the range is empty; `end`: the range's end as seen then.
-  bool take_front(int64_t& tile, int64_t& end) {
-    uint64_t w = word.load(std::memory_order_relaxed);
-    while (next_of(w) < end_of(w)) {
-      if (word.compare_exchange_weak(w, pack(next_of(w) + 1, end_of(w)), std::memory_order_acq_rel)) {
-        tile = next_of(w);
-        end = end_of(w);
-        return true;
-      }
-    }
-    return false;
-  }
-  // The back half of what is left (at least one tile), or false when the range is empty.
-  bool take_back_half(int64_t& begin, int64_t& end) {
-    uint64_t w = word.load(std::memory_order_relaxed);
-    while (next_of(w) < end_of(w)) {
-      const int64_t mid = next_of(w) + (end_of(w) - next_of(w)) / 2;
-      if (word.compare_exchange_weak(w, pack(next_of(w), mid), std::memory_order_acq_rel)) {
-        begin = mid;
-        end = end_of(w);
-        return true;
-      }
-    }
-    return false;
-  }
-};
-
-// fn(r0, rows, tile, end) for every chunk of up to `row_chunk` rows and every tile (`end`:
-// one past the last tile of the calling thread's current range, for prefetching). Per
-// chunk each thread starts on an equal, contiguous share of the tiles, walks it front to
-// back, and when done takes the back half of the largest share still left, and so on: a
-// static split waited ~10% of the linear layers' time on whichever core ran slower in that
-// call (hypervisor, interrupts, memory), at batch 1, 16 and 64 alike (2-core Zen 3).
+// fn(r0, rows, tile, end) for every chunk of up to `row_chunk` rows and every tile; per
+// chunk the tiles are split between threads with stealing (work_stealing.h; `end`: one
+// past the last tile of the range this tile came from, for prefetching the next).
 template <typename F>
 void for_each_chunk_and_tile(int64_t m, int64_t row_chunk, int64_t num_tiles, int64_t grain, const F& fn) {
   const int64_t shares = std::min<int64_t>(at::get_num_threads(), (num_tiles + grain - 1) / grain);
-  if (shares <= 1 || at::in_parallel_region()) {
-    for (int64_t r0 = 0; r0 < m; r0 += row_chunk)
-      for (int64_t tile = 0; tile < num_tiles; ++tile) fn(r0, std::min(row_chunk, m - r0), tile, num_tiles);
-    return;
-  }
-  std::vector<TileRange> ranges(shares);
   for (int64_t r0 = 0; r0 < m; r0 += row_chunk) {
     const int64_t rows = std::min(row_chunk, m - r0);
-    for (int64_t s = 0; s < shares; ++s)
-      ranges[s].word.store(TileRange::pack(num_tiles * s / shares, num_tiles * (s + 1) / shares),
-                           std::memory_order_relaxed);
-    at::parallel_for(0, shares, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t own = begin; own < end; ++own) {
-        for (;;) {
-          int64_t tile, range_end;
-          while (ranges[own].take_front(tile, range_end)) fn(r0, rows, tile, range_end);
-          // Out of tiles: the back half of the share with the most left becomes this one's.
-          int64_t victim = -1, most = 0;
-          for (int64_t s = 0; s < shares; ++s) {
-            const uint64_t w = ranges[s].word.load(std::memory_order_relaxed);
-            if (TileRange::end_of(w) - TileRange::next_of(w) > most) {
-              most = TileRange::end_of(w) - TileRange::next_of(w);
-              victim = s;
-            }
-          }
-          int64_t first, last;
-          if (victim < 0) break;
-          if (ranges[victim].take_back_half(first, last))
-            ranges[own].word.store(TileRange::pack(first, last), std::memory_order_release);
-        }
-      }
+    tandem_cpu::parallel_steal(num_tiles, shares, [&](const auto& take) {
+      int64_t tile, end;
+      while (take(tile, end)) fn(r0, rows, tile, end);
     });
   }
 }

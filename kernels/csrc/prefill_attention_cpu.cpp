@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "vec_math.h"
+#include "work_stealing.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -275,13 +276,14 @@ void prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, con
   const float fscale = static_cast<float>(scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+  // Items differ in cost (a later query chunk sees more keys): threads steal them.
+  tandem_cpu::parallel_steal(static_cast<int64_t>(items.size()), at::get_num_threads(), [&](const auto& take) {
     const int64_t max_rows = kQueryRows * group;
     constexpr int64_t span = kSpanBlocks * bs;  // keys per softmax update
     std::vector<float> qs(max_rows * d), acc(max_rows * d), kt(kSpanBlocks * d * bs), sc(max_rows * span);
     std::vector<float> row_max(max_rows), row_sum(max_rows);
     std::vector<int64_t> row_pos(max_rows);
-    for (int64_t it = begin; it < end; ++it) {
+    for (int64_t it, range_end; take(it, range_end);) {
       const Item& item = items[it];
       const int64_t len = lens[item.seq], q_len = qsl[item.seq + 1] - qsl[item.seq];
       const int64_t first_pos = len - q_len;  // position of the chunk's token 0
