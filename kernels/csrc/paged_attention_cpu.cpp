@@ -28,6 +28,7 @@
 
 #include "cpu_kernels.h"
 #include "vec_math.h"
+#include "work_stealing.h"
 
 #include <algorithm>
 #include <cmath>
@@ -136,66 +137,68 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
 
   const int64_t max_chunks = std::max<int64_t>(1, (total_len * per_token) >> 18);
   const int64_t chunks = std::min<int64_t>({n_units, std::max(max_chunks, parts > 1 ? n_units : 1), 4 * threads});
-  at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
-    // Units whose work starts in [chunk_begin, chunk_end) / chunks of the total.
-    const int64_t lo = total_len * chunk_begin / chunks, hi = total_len * chunk_end / chunks;
-    int64_t first = std::upper_bound(unit_end.begin(), unit_end.end(), lo) - unit_end.begin();
-    int64_t last = std::upper_bound(unit_end.begin(), unit_end.end(), hi) - unit_end.begin();
-    if (chunk_begin == 0) first = 0;
-    if (chunk_end == chunks) last = n_units;
+  // Chunks of units with equal token counts; threads take chunks, stealing (work_stealing.h).
+  tandem_cpu::parallel_steal(chunks, threads, [&](const auto& take) {
     std::vector<float> q(num_heads * head_dim);    // [num_heads, head_dim], pre-scaled
     std::vector<float> acc(num_heads * head_dim);  // [num_heads, head_dim]
     std::vector<float> stats(num_heads * 2);       // [num_heads]: m, l
     std::vector<float> scores;                     // [num_heads, tokens of the unit]
-    for (int64_t w = first; w < last; ++w) {
-      const Unit& unit = units[w];
-      const int64_t tok = tok_ptr[unit.i], seq = seq_ptr[unit.i];
-      const int64_t len = len_ptr[seq];
-      const int32_t* blocks = bt_ptr + seq * max_blocks;
-      const int64_t t0 = unit.j0 * block_size, n = std::min(unit.j1 * block_size, len) - t0;
-      for (int64_t hq = 0; hq < num_heads; ++hq) {
-        const T* src = q_ptr + tok * q_tok_stride + hq * q_head_stride;
-        for (int64_t x = 0; x < head_dim; ++x) q[hq * head_dim + x] = static_cast<float>(src[x]) * fscale;
-      }
-      scores.resize(num_heads * n);
-      // Pass 1: scores[hq, t] = q_hq . k_(t0 + t)[hq / group]
-      for (int64_t start = 0, j = unit.j0; start < n; start += block_size, ++j) {
-        const T* k = k_ptr + blocks[j] * block_stride;
-        const T* next = j + 1 < unit.j1 ? k_ptr + blocks[j + 1] * block_stride : nullptr;
-        const int64_t rows = std::min(block_size, n - start);
-        for (int64_t r = 0; r < rows; ++r, k += row_stride) {
-          if (next) prefetch_row(next + r * row_stride, row_stride * static_cast<int64_t>(sizeof(T)));
-          for (int64_t hq = 0; hq < num_heads; ++hq)
-            scores[hq * n + start + r] = dot<D>(q.data() + hq * head_dim, k + (hq / group) * head_dim, head_dim);
+    for (int64_t chunk, chunks_end; take(chunk, chunks_end);) {
+      // The units whose last token falls in this chunk's share of the total.
+      const int64_t lo = total_len * chunk / chunks, hi = total_len * (chunk + 1) / chunks;
+      const int64_t first = chunk == 0 ? 0 : std::upper_bound(unit_end.begin(), unit_end.end(), lo) - unit_end.begin();
+      const int64_t last =
+          chunk + 1 == chunks ? n_units : std::upper_bound(unit_end.begin(), unit_end.end(), hi) - unit_end.begin();
+      for (int64_t w = first; w < last; ++w) {
+        const Unit& unit = units[w];
+        const int64_t tok = tok_ptr[unit.i], seq = seq_ptr[unit.i];
+        const int64_t len = len_ptr[seq];
+        const int32_t* blocks = bt_ptr + seq * max_blocks;
+        const int64_t t0 = unit.j0 * block_size, n = std::min(unit.j1 * block_size, len) - t0;
+        for (int64_t hq = 0; hq < num_heads; ++hq) {
+          const T* src = q_ptr + tok * q_tok_stride + hq * q_head_stride;
+          for (int64_t x = 0; x < head_dim; ++x) q[hq * head_dim + x] = static_cast<float>(src[x]) * fscale;
         }
-      }
-      // scores -> exp(score - m) per query head, in float32; l = their sum.
-      for (int64_t hq = 0; hq < num_heads; ++hq) {
-        float* sc = scores.data() + hq * n;
-        stats[2 * hq] = tandem_cpu::max_of(sc, n, sc[0]);  // n >= 1
-        stats[2 * hq + 1] = tandem_cpu::exp_shift_sum(sc, n, stats[2 * hq]);
-      }
-      // Pass 2: acc[hq] = sum_t exp(score - m)[hq, t] * v_(t0 + t)[hq / group]
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t start = 0, j = unit.j0; start < n; start += block_size, ++j) {
-        const T* v = v_ptr + blocks[j] * block_stride;
-        const T* next = j + 1 < unit.j1 ? v_ptr + blocks[j + 1] * block_stride : nullptr;
-        const int64_t rows = std::min(block_size, n - start);
-        for (int64_t r = 0; r < rows; ++r, v += row_stride) {
-          if (next) prefetch_row(next + r * row_stride, row_stride * static_cast<int64_t>(sizeof(T)));
-          for (int64_t hq = 0; hq < num_heads; ++hq)
-            axpy<D>(scores[hq * n + start + r], v + (hq / group) * head_dim, acc.data() + hq * head_dim, head_dim);
+        scores.resize(num_heads * n);
+        // Pass 1: scores[hq, t] = q_hq . k_(t0 + t)[hq / group]
+        for (int64_t start = 0, j = unit.j0; start < n; start += block_size, ++j) {
+          const T* k = k_ptr + blocks[j] * block_stride;
+          const T* next = j + 1 < unit.j1 ? k_ptr + blocks[j + 1] * block_stride : nullptr;
+          const int64_t rows = std::min(block_size, n - start);
+          for (int64_t r = 0; r < rows; ++r, k += row_stride) {
+            if (next) prefetch_row(next + r * row_stride, row_stride * static_cast<int64_t>(sizeof(T)));
+            for (int64_t hq = 0; hq < num_heads; ++hq)
+              scores[hq * n + start + r] = dot<D>(q.data() + hq * head_dim, k + (hq / group) * head_dim, head_dim);
+          }
         }
-      }
-      if (unit.slot >= 0) {
-        std::copy(stats.begin(), stats.end(), part_stats.begin() + unit.slot * num_heads * 2);
-        std::copy(acc.begin(), acc.end(), part_acc.begin() + unit.slot * num_heads * head_dim);
-        continue;
-      }
-      for (int64_t hq = 0; hq < num_heads; ++hq) {
-        T* dst = o_ptr + tok * o_tok_stride + hq * o_head_stride;
-        const float inv = 1.f / stats[2 * hq + 1];
-        for (int64_t x = 0; x < head_dim; ++x) dst[x] = static_cast<T>(acc[hq * head_dim + x] * inv);
+        // scores -> exp(score - m) per query head, in float32; l = their sum.
+        for (int64_t hq = 0; hq < num_heads; ++hq) {
+          float* sc = scores.data() + hq * n;
+          stats[2 * hq] = tandem_cpu::max_of(sc, n, sc[0]);  // n >= 1
+          stats[2 * hq + 1] = tandem_cpu::exp_shift_sum(sc, n, stats[2 * hq]);
+        }
+        // Pass 2: acc[hq] = sum_t exp(score - m)[hq, t] * v_(t0 + t)[hq / group]
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t start = 0, j = unit.j0; start < n; start += block_size, ++j) {
+          const T* v = v_ptr + blocks[j] * block_stride;
+          const T* next = j + 1 < unit.j1 ? v_ptr + blocks[j + 1] * block_stride : nullptr;
+          const int64_t rows = std::min(block_size, n - start);
+          for (int64_t r = 0; r < rows; ++r, v += row_stride) {
+            if (next) prefetch_row(next + r * row_stride, row_stride * static_cast<int64_t>(sizeof(T)));
+            for (int64_t hq = 0; hq < num_heads; ++hq)
+              axpy<D>(scores[hq * n + start + r], v + (hq / group) * head_dim, acc.data() + hq * head_dim, head_dim);
+          }
+        }
+        if (unit.slot >= 0) {
+          std::copy(stats.begin(), stats.end(), part_stats.begin() + unit.slot * num_heads * 2);
+          std::copy(acc.begin(), acc.end(), part_acc.begin() + unit.slot * num_heads * head_dim);
+          continue;
+        }
+        for (int64_t hq = 0; hq < num_heads; ++hq) {
+          T* dst = o_ptr + tok * o_tok_stride + hq * o_head_stride;
+          const float inv = 1.f / stats[2 * hq + 1];
+          for (int64_t x = 0; x < head_dim; ++x) dst[x] = static_cast<T>(acc[hq * head_dim + x] * inv);
+        }
       }
     }
   });
