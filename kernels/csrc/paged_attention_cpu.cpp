@@ -159,18 +159,25 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
           const T* src = q_ptr + tok * q_tok_stride + hq * q_head_stride;
           for (int64_t x = 0; x < head_dim; ++x) q[hq * head_dim + x] = static_cast<float>(src[x]) * fscale;
         }
+        // fn(t, row) for the unit's cached rows t = 0..n-1 of `cache` (token t0 + t, every
+        // KV head), block by block; row r of the next block is asked for with row r of this.
+        auto for_each_row = [&](const T* cache, const auto& fn) {
+          for (int64_t start = 0, j = unit.j0; start < n; start += block_size, ++j) {
+            const T* row = cache + blocks[j] * block_stride;
+            const T* next = j + 1 < unit.j1 ? cache + blocks[j + 1] * block_stride : nullptr;
+            const int64_t rows = std::min(block_size, n - start);
+            for (int64_t r = 0; r < rows; ++r, row += row_stride) {
+              if (next) prefetch_row(next + r * row_stride, row_stride * static_cast<int64_t>(sizeof(T)));
+              fn(start + r, row);
+            }
+          }
+        };
         scores.resize(num_heads * n);
         // Pass 1: scores[hq, t] = q_hq . k_(t0 + t)[hq / group]
-        for (int64_t start = 0, j = unit.j0; start < n; start += block_size, ++j) {
-          const T* k = k_ptr + blocks[j] * block_stride;
-          const T* next = j + 1 < unit.j1 ? k_ptr + blocks[j + 1] * block_stride : nullptr;
-          const int64_t rows = std::min(block_size, n - start);
-          for (int64_t r = 0; r < rows; ++r, k += row_stride) {
-            if (next) prefetch_row(next + r * row_stride, row_stride * static_cast<int64_t>(sizeof(T)));
-            for (int64_t hq = 0; hq < num_heads; ++hq)
-              scores[hq * n + start + r] = dot<D>(q.data() + hq * head_dim, k + (hq / group) * head_dim, head_dim);
-          }
-        }
+        for_each_row(k_ptr, [&](int64_t t, const T* k) {
+          for (int64_t hq = 0; hq < num_heads; ++hq)
+            scores[hq * n + t] = dot<D>(q.data() + hq * head_dim, k + (hq / group) * head_dim, head_dim);
+        });
         // scores -> exp(score - m) per query head, in float32; l = their sum.
         for (int64_t hq = 0; hq < num_heads; ++hq) {
           float* sc = scores.data() + hq * n;
@@ -179,16 +186,10 @@ void decode_kernel(const at::Tensor& query, const at::Tensor& key_cache,
         }
         // Pass 2: acc[hq] = sum_t exp(score - m)[hq, t] * v_(t0 + t)[hq / group]
         std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t start = 0, j = unit.j0; start < n; start += block_size, ++j) {
-          const T* v = v_ptr + blocks[j] * block_stride;
-          const T* next = j + 1 < unit.j1 ? v_ptr + blocks[j + 1] * block_stride : nullptr;
-          const int64_t rows = std::min(block_size, n - start);
-          for (int64_t r = 0; r < rows; ++r, v += row_stride) {
-            if (next) prefetch_row(next + r * row_stride, row_stride * static_cast<int64_t>(sizeof(T)));
-            for (int64_t hq = 0; hq < num_heads; ++hq)
-              axpy<D>(scores[hq * n + start + r], v + (hq / group) * head_dim, acc.data() + hq * head_dim, head_dim);
-          }
-        }
+        for_each_row(v_ptr, [&](int64_t t, const T* v) {
+          for (int64_t hq = 0; hq < num_heads; ++hq)
+            axpy<D>(scores[hq * n + t], v + (hq / group) * head_dim, acc.data() + hq * head_dim, head_dim);
+        });
         if (unit.slot >= 0) {
           std::copy(stats.begin(), stats.end(), part_stats.begin() + unit.slot * num_heads * 2);
           std::copy(acc.begin(), acc.end(), part_acc.begin() + unit.slot * num_heads * head_dim);
