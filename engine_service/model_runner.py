@@ -223,12 +223,13 @@ class ModelRunner:
         identity = len(rows) == hidden.shape[0] and rows == list(range(len(rows)))
         # Every sampled row takes the argmax of its raw logits (no SamplingMetadata); when
         # no row needs anything else of the logits, the LM head may hand back the tokens
-        # alone (``greedy_tokens``; None: compute the logits).
+        # alone (``greedy_tokens``; None: compute the logits, as a tensor-parallel shard
+        # always answers, since its logits are a collective).
         plain_greedy = mask is None and all(
             argmax_suffices(r.sampling_params, len(r.output_token_ids), r.eos_token_id) for r in requests
         )
         only_sampled = bool(rows) and len(rows) == len(batch.sample_rows) and not batch.pool_idx
-        if plain_greedy and only_sampled and self.executor is None:
+        if plain_greedy and only_sampled:
             greedy = self.model.greedy_tokens(hidden if identity else hidden[rows])
             if greedy is not None:
                 for request, token in zip(requests, greedy.tolist(), strict=True):
