@@ -107,6 +107,12 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& positions, 
   at::Tensor attn = at::empty({t, num_heads, head_dim}, f32);
   at::Tensor gate_up = at::empty({t, 2 * intermediate}, f32);
   at::Tensor act = at::empty({t, intermediate}, f32);
+  // Views of the step's buffers, made once, not per layer (each is a dispatcher call and a
+  // tensor allocation).
+  const at::Tensor qkv_q = qkv.narrow(1, 0, q_size).view({t, num_heads, head_dim});
+  const at::Tensor qkv_k = qkv.narrow(1, q_size, kv_size).view({t, num_kv_heads, head_dim});
+  const at::Tensor qkv_v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, head_dim});
+  const at::Tensor attn_rows = attn.view({t, q_size});
 
   for (int64_t l = 0; l < layers; ++l) {
     const at::Tensor* w = weights.data() + l * kPerLayer;
@@ -115,9 +121,8 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& positions, 
     else  // the previous layer's MLP output joins the stream
       add_and_norm(normed, w[kInputNorm]);
     tandem_cpu::panel_linear(qkv, normed, w[kQkv], w[kQkvScale], w[kQkvBias]);
-    at::Tensor q = qkv.narrow(1, 0, q_size).view({t, num_heads, head_dim});
-    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({t, num_kv_heads, head_dim});
-    at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, num_kv_heads, head_dim});
+    at::Tensor q = qkv_q, k = qkv_k;
+    const at::Tensor& v = qkv_v;
     if (w[kQNorm].numel() > 0) {  // Qwen3: per-head RMSNorm of q and k
       at::Tensor qn = at::empty({t * num_heads, head_dim}, f32);
       at::Tensor kn = at::empty({t * num_kv_heads, head_dim}, f32);
@@ -130,7 +135,7 @@ at::Tensor decode_layers(const at::Tensor& hidden, const at::Tensor& positions, 
     tandem_cpu::reshape_and_cache(k, v, key_caches[l], value_caches[l], slot_mapping);
     tandem_cpu::paged_attention_decode(q, key_caches[l], value_caches[l], block_tables, seq_lens, token_index,
                                        seq_index, scale, attn);
-    tandem_cpu::panel_linear(proj, attn.view({t, q_size}), w[kO], w[kOScale], w[kOBias]);
+    tandem_cpu::panel_linear(proj, attn_rows, w[kO], w[kOScale], w[kOBias]);
     add_and_norm(normed, w[kPostNorm]);
     tandem_cpu::panel_linear(gate_up, normed, w[kGateUp], w[kGateUpScale], w[kGateUpBias]);
     silu_and_mul(act, gate_up);
