@@ -114,6 +114,16 @@ class EngineConfig:
             "Default on."
         },
     )
+    lm_head_screen: bool = field(
+        default=True,
+        metadata={
+            "help": "CPU, float32 panel weights: greedy steps of up to 8 sequences find the "
+            "next token by scoring the vocabulary against an int8 copy of the LM head (a "
+            "quarter of its bytes) and recomputing in float32 only the few columns that "
+            "error bounds cannot rule out: the float32 argmax, bit for bit, for a quarter "
+            "of the LM head's memory more. Default on."
+        },
+    )
     quantization: Literal["none", "int8"] = field(
         default="none",
         metadata={

@@ -182,7 +182,7 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
             return model, model.plan.config
         model, model_config = load_model(cfg.model, cfg.torch_dtype, cfg.torch_device, self._ops)
         if cfg.linear_layout != "torch":
-            model.pack_linears(cfg.linear_layout)
+            model.pack_linears(cfg.linear_layout, lm_head_screen=cfg.lm_head_screen)
         model.native_decode = (
             cfg.native_decode and self._ops.name == "cpu" and cfg.linear_layout in ("panel", "panel_int8")
         )

@@ -10,6 +10,8 @@ Parameters are created uninitialised: ``engine_service.models.loader`` fills eve
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,11 +21,14 @@ from engine_service.models.rotary import build_cos_sin_cache
 from kernels.dispatch import KernelOps
 from kernels.onednn_linear import pack_weight, packed_linear
 from kernels.panel_linear import (
+    ArgmaxScreen,
     PanelArena,
     PanelWeight,
+    argmax_screen,
     pack_panels,
     panel_linear,
     panel_linear_argmax,
+    panel_linear_argmax_screened,
     panels_shape,
 )
 from tandem.protocol.model_config import ModelConfig
@@ -237,6 +242,8 @@ class DecoderForCausalLM(nn.Module):
         )
         self.register_buffer("cos_sin_cache", cos_sin, persistent=False)  # [max_pos, head_dim] f32
         self.lm_head_packed: PackedWeight | None = None  # see pack_linears()
+        # float32 panel LM head: its int8 screen for greedy steps (see greedy_tokens)
+        self.lm_head_screen: ArgmaxScreen | None = None
         # Decode-only steps run every layer in one native call when all linear layers are
         # plain float32 or int8 panels (see native_decode_weights); None: not built yet.
         self.native_decode = False
@@ -244,17 +251,21 @@ class DecoderForCausalLM(nn.Module):
             None
         )
 
-    def pack_linears(self, layout: str = "onednn") -> None:
+    def pack_linears(self, layout: str = "onednn", lm_head_screen: bool = False) -> None:
         """Move every linear layer and the LM head onto packed weights (CPU; the layouts
         of ``pack_linear_weight``).
 
         The dense projection weights are freed. The LM head packs a copy: a tied
         checkpoint's embedding lookup still needs the dense matrix, so tied models hold
         ``vocab_size x hidden_size`` once more (a quarter of it for int8).
+        ``lm_head_screen`` (float32 panels only): also keep an int8 copy of the LM head
+        (another quarter) through which greedy steps find the argmax (``greedy_tokens``).
         """
         linears = [module for module in self.modules() if isinstance(module, FusedLinear)]
         if layout in ("panel", "panel_int8"):
             self._pack_panels(linears, quantize=layout == "panel_int8")
+            if lm_head_screen and layout == "panel":
+                self.lm_head_screen = self._place_screen(argmax_screen(self.lm_head_weight, self.lm_head_packed))
         else:
             for module in linears:
                 module.pack(layout)
@@ -273,6 +284,14 @@ class DecoderForCausalLM(nn.Module):
             module.packed_weight = arena.place(pack_panels(module.weight, quantize))
             module.weight = None
         self.lm_head_packed = arena.place(pack_panels(self.lm_head_weight, quantize))
+
+    @staticmethod
+    def _place_screen(screen: ArgmaxScreen | None) -> ArgmaxScreen | None:
+        """The screen with its int8 panels on huge pages (it is streamed every greedy step)."""
+        if screen is None:
+            return None
+        arena = PanelArena([tuple(screen.screen.panels.shape)], torch.int8)
+        return replace(screen, screen=arena.place(screen.screen))
 
     @property
     def lm_head_weight(self) -> torch.Tensor:  # [vocab_size, hidden_size]
@@ -387,9 +406,14 @@ class DecoderForCausalLM(nn.Module):
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """``compute_logits(hidden).argmax(-1)`` without reading the logits back (panel-packed
-        LM head: each tile scanned while the kernel has it in cache); None for other
-        layouts, whose caller computes the logits."""
+        LM head: each tile scanned while the kernel has it in cache; with the int8 screen,
+        up to ``SCREEN_MAX_ROWS`` rows read a quarter of the head and recompute only the
+        tiles that can hold the maximum, same tokens); None for other layouts, whose
+        caller computes the logits."""
         if isinstance(self.lm_head_packed, PanelWeight):
+            # (a screen of another weight, after lm_head_packed was swapped, does not apply)
+            if self.lm_head_screen is not None and self.lm_head_screen.exact is self.lm_head_packed:
+                return panel_linear_argmax_screened(hidden.float(), self.lm_head_screen)
             return panel_linear_argmax(hidden.float(), self.lm_head_packed, None)
         return None
 

@@ -35,6 +35,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -847,6 +848,146 @@ void panel_linear_argmax(at::Tensor out, at::Tensor tokens, const at::Tensor& x,
   }
 }
 
+// True when v is neither inf nor NaN (from its bits: -ffast-math folds std::isfinite).
+inline bool finite_bits(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  return (bits & 0x7F800000u) != 0x7F800000u;
+}
+
+// panel_linear_argmax(x, float32 panels) for a few rows, reading a quarter of the bytes:
+// every column is first scored against an int8 copy of the weight (`screen`, `screen_scale`:
+// pack_panels(w, quantize=True)), and only the tiles that could hold a row's maximum are
+// recomputed in float32. The tokens are panel_linear_argmax's, bit for bit.
+//
+// Why it is exact. Row j of the screen is w'_j = q_j * scale_j; the int8 kernel scores it
+// as a_j against x' (x rounded to 16 bits per block of 256 k); the float32 kernel would
+// give s_j. With d >= |x - x'| (0.51 of a block's step per element) and
+//   bounds[0, j] = U_j >= |w_j - w'_j| + eta (|w_j| + |w'_j|)
+//   bounds[1, j] = V_j >= |w'_j| + eta (|w_j| + |w'_j|),  eta = 2 (K + 16) 2^-24
+// (2-norms; kernels/panel_linear.py's argmax_screen builds them), Cauchy-Schwarz for the
+// weight and x differences and the standard bound gamma_K sum |x_i w_i| on both kernels'
+// float32 sums give |s_j - a_j| <= B_j = |x| U_j + d V_j. Let L = max_j (a_j - B_j),
+// which is at most the row's maximum: every column whose s_j is the maximum has
+// a_j + B_j >= L, a candidate. (Computed in float32, B_j is widened by 2^-20 (B_j + |a_j|),
+// which covers the rounding of B_j and of a_j -+ B_j.) The candidates' tiles are
+// recomputed for all rows through float_tile exactly as panel_linear_float calls it (a
+// row's float32 result depends on how many rows share its register block, so the rows stay
+// together), and the first candidate column of the largest value is the token. When a
+// row's candidates span more than max_tiles tiles, or x or a score is not finite, every row
+// takes the full panel_linear_argmax. Returns the number of rows that forced it (0: the
+// screen decided).
+int64_t panel_linear_argmax_screened(at::Tensor out, at::Tensor tokens, const at::Tensor& x, const at::Tensor& panels,
+                                     const at::Tensor& screen, const at::Tensor& screen_scale,
+                                     const at::Tensor& bounds, int64_t max_tiles) {
+  TORCH_CHECK(panels.scalar_type() == at::kFloat && screen.scalar_type() == at::kChar,
+              "panels must be float32 and the screen int8");
+  TORCH_CHECK(screen.dim() == 3 && panels.dim() == 3 && screen.size(0) == panels.size(0),
+              "the screen must have as many panels as the float32 weight");
+  TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.dim() == 1 && tokens.is_contiguous() &&
+                  tokens.size(0) == x.size(0),
+              "tokens must be contiguous int64 [M]");
+  TORCH_CHECK(out.dim() == 2 && out.size(1) > 0, "out must have at least one column");
+  const int64_t num_panels = panels.size(0), width = num_panels * kLanes;
+  TORCH_CHECK(bounds.scalar_type() == at::kFloat && bounds.is_contiguous() && bounds.dim() == 2 &&
+                  bounds.size(0) == 2 && bounds.size(1) == width,
+              "bounds must be contiguous float32 [2, 16P]");
+  const at::Tensor no_bias = at::empty({0}, at::kFloat);
+  // The screen's scores (checks x and out as panel_linear does).
+  panel_linear_with(out, x, screen, screen_scale, no_bias, NoTileHook{});
+  const int64_t m = x.size(0), k_size = x.size(1), n = out.size(1);
+  constexpr int64_t kTileCols = kTilePanels * kLanes;
+  const int64_t num_tiles = (n + kTileCols - 1) / kTileCols;
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ldx = x.stride(0), ldo = out.stride(0);
+  const float* u_j = bounds.data_ptr<float>();
+  const float* v_j = u_j + width;
+  const float widen = std::ldexp(1.f, -20);
+
+  std::vector<std::vector<int64_t>> candidates(m);
+  std::vector<char> recompute(num_tiles, 0);
+  std::vector<float> tile_hi(num_tiles);  // max over the tile of a_j + B_j
+  int64_t undecided = 0;
+  for (int64_t r = 0; r < m; ++r) {
+    const float* xr = xp + r * ldx;
+    double nx2 = 0.0, d2 = 0.0;
+    for (int64_t k0 = 0; k0 < k_size; k0 += 2 * kBlockPairs) {
+      const int64_t k1 = std::min(k_size, k0 + 2 * kBlockPairs);
+      float amax = 0.f;
+      for (int64_t k = k0; k < k1; ++k) {
+        amax = std::max(amax, std::fabs(xr[k]));
+        nx2 += static_cast<double>(xr[k]) * xr[k];
+      }
+      const double half_step = 0.51 * (static_cast<double>(amax) / 32767.0);
+      d2 += static_cast<double>(k1 - k0) * half_step * half_step;
+    }
+    // Rounded up to float32 (the bound only grows).
+    const float nx = std::nextafter(static_cast<float>(std::sqrt(nx2)), std::numeric_limits<float>::infinity());
+    const float d = std::nextafter(static_cast<float>(std::sqrt(d2)), std::numeric_limits<float>::infinity());
+    const float* a = op + r * ldo;
+    float floor = -std::numeric_limits<float>::max();  // L
+    for (int64_t t = 0; t < num_tiles; ++t) {
+      const int64_t j0 = t * kTileCols, j1 = std::min(n, j0 + kTileCols);
+      float lo = -std::numeric_limits<float>::max(), hi = -std::numeric_limits<float>::max();
+#pragma omp simd reduction(max : lo, hi)
+      for (int64_t j = j0; j < j1; ++j) {
+        float b = nx * u_j[j] + d * v_j[j];
+        b += widen * (b + std::fabs(a[j]));
+        lo = std::max(lo, a[j] - b);
+        hi = std::max(hi, a[j] + b);
+      }
+      floor = std::max(floor, lo);
+      tile_hi[t] = hi;
+    }
+    if (!finite_bits(nx) || !finite_bits(d) || nx > 1e18f || !finite_bits(floor)) {  // no overflow below
+      ++undecided;
+      break;
+    }
+    int64_t tiles = 0;
+    std::vector<int64_t>& cand = candidates[r];
+    for (int64_t t = 0; t < num_tiles && tiles <= max_tiles; ++t) {
+      if (!(tile_hi[t] >= floor)) continue;
+      ++tiles;
+      recompute[t] = 1;
+      for (int64_t j = t * kTileCols; j < std::min(n, (t + 1) * kTileCols); ++j) {
+        float b = nx * u_j[j] + d * v_j[j];
+        b += widen * (b + std::fabs(a[j]));
+        if (a[j] + b >= floor) cand.push_back(j);
+      }
+    }
+    if (tiles > max_tiles || cand.empty()) {
+      ++undecided;
+      break;
+    }
+  }
+  if (undecided > 0) {
+    panel_linear_argmax(out, tokens, x, panels, at::empty({0}, at::kFloat), no_bias);
+    return undecided;
+  }
+  // The candidate tiles in float32, every row at once (as panel_linear_float computes them).
+  std::vector<int64_t> tiles;
+  for (int64_t t = 0; t < num_tiles; ++t)
+    if (recompute[t]) tiles.push_back(t);
+  const float* wp = panels.data_ptr<float>();
+  at::parallel_for(0, static_cast<int64_t>(tiles.size()), 8, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t p0 = tiles[i] * kTilePanels, panel_count = std::min(kTilePanels, num_panels - p0);
+      float_tile(m, xp, ldx, wp + p0 * k_size * kLanes, panel_count, k_size, nullptr, nullptr, op, ldo, p0 * kLanes,
+                 n, nullptr);
+    }
+  });
+  int64_t* tp = tokens.data_ptr<int64_t>();
+  for (int64_t r = 0; r < m; ++r) {
+    const float* s = op + r * ldo;
+    int64_t w = candidates[r].front();
+    for (const int64_t j : candidates[r])
+      if (s[j] > s[w]) w = j;  // ascending columns: equal values keep the first
+    tp[r] = w;
+  }
+  return 0;
+}
+
 // The float32 kernel this build compiled: "avx512", "avx2" (the hand-scheduled loop) or
 // "portable"; kernels/panel_linear.py picks its torch.mm threshold by it.
 std::string panel_kernel_isa() {
@@ -883,6 +1024,10 @@ TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
   m.impl("panel_linear", c10::DispatchKey::CPU, &panel_linear);
   m.def("panel_linear_argmax(Tensor(a!) out, Tensor(b!) tokens, Tensor x, Tensor panels, Tensor scale, Tensor bias) -> ()");
   m.impl("panel_linear_argmax", c10::DispatchKey::CPU, &panel_linear_argmax);
+  m.def(
+      "panel_linear_argmax_screened(Tensor(a!) out, Tensor(b!) tokens, Tensor x, Tensor panels, Tensor screen, "
+      "Tensor screen_scale, Tensor bounds, int max_tiles) -> int");
+  m.impl("panel_linear_argmax_screened", c10::DispatchKey::CPU, &panel_linear_argmax_screened);
   m.def("panel_int8_float_rows() -> int");
   m.impl("panel_int8_float_rows", c10::DispatchKey::CatchAll, &panel_int8_float_rows);
   m.def("panel_kernel_isa() -> str");
