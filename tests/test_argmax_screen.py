@@ -22,8 +22,7 @@ from kernels.panel_linear import (
     panel_linear_argmax_screened,
     round_x_16bit,
 )
-from tandem.protocol.outputs import EngineCoreRequest
-from tandem.protocol.sampling_params import SamplingParams
+from tests.test_panel_linear import _greedy  # greedy tokens of an EngineCore, per request
 
 pytestmark = pytest.mark.skipif(not native_available(), reason="native CPU kernels need a C++ compiler")
 
@@ -128,17 +127,6 @@ def test_no_screen_for_weights_that_are_not_finite() -> None:
     assert argmax_screen(w, pack_panels(w, quantize=False)) is None
     with pytest.raises(ValueError, match="float32 panels"):
         argmax_screen(w, pack_panels(w, quantize=True))
-
-
-def _greedy(core: EngineCore, prompts: list[list[int]], max_tokens: int) -> dict[str, list[int]]:
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-    for i, prompt in enumerate(prompts):
-        core.add_request(EngineCoreRequest(str(i), prompt, params))
-    tokens: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    while core.has_unfinished_requests():
-        for out in core.step().all_outputs():
-            tokens[out.request_id].extend(out.new_token_ids)
-    return tokens
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_llama_untied_dir", "tiny_qwen3_dir"])
