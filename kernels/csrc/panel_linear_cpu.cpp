@@ -874,9 +874,9 @@ inline bool finite_bits(float v) {
 // recomputed for all rows through float_tile exactly as panel_linear_float calls it (a
 // row's float32 result depends on how many rows share its register block, so the rows stay
 // together), and the first candidate column of the largest value is the token. When a
-// row's candidates span more than max_tiles tiles, or x or a score is not finite, every row
-// takes the full panel_linear_argmax. Returns the number of rows that forced it (0: the
-// screen decided).
+// row's candidates span more than max_tiles tiles, or its |x| or L is not finite, every row
+// takes the full panel_linear_argmax. Returns 0 when the screen decided, else the number
+// of rows found undecided before handing over (the check stops at the first).
 int64_t panel_linear_argmax_screened(at::Tensor out, at::Tensor tokens, const at::Tensor& x, const at::Tensor& panels,
                                      const at::Tensor& screen, const at::Tensor& screen_scale,
                                      const at::Tensor& bounds, int64_t max_tiles) {
