@@ -926,14 +926,18 @@ int64_t panel_linear_argmax_screened(at::Tensor out, at::Tensor tokens, const at
     const float nx = std::nextafter(static_cast<float>(std::sqrt(nx2)), std::numeric_limits<float>::infinity());
     const float d = std::nextafter(static_cast<float>(std::sqrt(d2)), std::numeric_limits<float>::infinity());
     const float* a = op + r * ldo;
+    // B_j, widened for float32 rounding (both passes below must use this one formula).
+    const auto bound = [&](int64_t j) {
+      const float b = nx * u_j[j] + d * v_j[j];
+      return b + widen * (b + std::fabs(a[j]));
+    };
     float floor = -std::numeric_limits<float>::max();  // L
     for (int64_t t = 0; t < num_tiles; ++t) {
       const int64_t j0 = t * kTileCols, j1 = std::min(n, j0 + kTileCols);
       float lo = -std::numeric_limits<float>::max(), hi = -std::numeric_limits<float>::max();
 #pragma omp simd reduction(max : lo, hi)
       for (int64_t j = j0; j < j1; ++j) {
-        float b = nx * u_j[j] + d * v_j[j];
-        b += widen * (b + std::fabs(a[j]));
+        const float b = bound(j);
         lo = std::max(lo, a[j] - b);
         hi = std::max(hi, a[j] + b);
       }
@@ -950,11 +954,8 @@ int64_t panel_linear_argmax_screened(at::Tensor out, at::Tensor tokens, const at
       if (!(tile_hi[t] >= floor)) continue;
       ++tiles;
       recompute[t] = 1;
-      for (int64_t j = t * kTileCols; j < std::min(n, (t + 1) * kTileCols); ++j) {
-        float b = nx * u_j[j] + d * v_j[j];
-        b += widen * (b + std::fabs(a[j]));
-        if (a[j] + b >= floor) cand.push_back(j);
-      }
+      for (int64_t j = t * kTileCols; j < std::min(n, (t + 1) * kTileCols); ++j)
+        if (a[j] + bound(j) >= floor) cand.push_back(j);
     }
     if (tiles > max_tiles || cand.empty()) {
       ++undecided;
