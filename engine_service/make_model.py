@@ -22,7 +22,7 @@ from typing import Any, Literal
 import torch
 
 Arch = Literal["llama", "qwen2", "qwen3"]
-PresetName = Literal["tiny", "demo", "bench-135m"]
+PresetName = Literal["tiny", "hop", "demo", "bench-135m"]
 
 ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
@@ -65,6 +65,9 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(64, 2, 4, 2, 128, 1024, 2048, 10000.0, 0.15, qwen3_head_dim=32),
+    # A step of 256 decoding sequences takes a few ms on a CPU, as a real model's does on a
+    # GPU: what the gRPC hop costs at that pace (benchmarks/split_cost.py).
+    "hop": Preset(96, 3, 3, 1, 256, 2048, 2048, 10000.0, 0.1, qwen3_head_dim=32),
     "demo": Preset(256, 4, 8, 4, 768, 2048, 2048, 10000.0, 0.08, qwen3_head_dim=64),
     "bench-135m": Preset(576, 30, 9, 3, 1536, 49152, 2048, 100000.0, 0.05, qwen3_head_dim=64),
 }
@@ -302,15 +305,21 @@ def default_cache_dir() -> str:
 
 def demo_model_dir(cache_dir: str | None = None) -> str:
     """Path of the cached demo checkpoint (Llama, "demo" preset), made on first use."""
+    return cached_model_dir("demo", cache_dir)
+
+
+def cached_model_dir(preset: PresetName, cache_dir: str | None = None) -> str:
+    """Path of the cached Llama checkpoint of ``preset`` (seed 0), made on first use."""
     root = cache_dir or default_cache_dir()
-    final = os.path.join(root, f"demo-llama-v{DEMO_PRESET_VERSION}-seed0")
+    name = f"demo-llama-v{DEMO_PRESET_VERSION}-seed0" if preset == "demo" else f"{preset}-llama-seed0"
+    final = os.path.join(root, name)
     if os.path.isfile(os.path.join(final, "model.safetensors")):
         return final
     os.makedirs(root, exist_ok=True)
     # Build beside the final path and rename, so a half-written checkpoint is never seen.
-    staging = tempfile.mkdtemp(prefix=".demo-", dir=root)
+    staging = tempfile.mkdtemp(prefix=f".{preset}-", dir=root)
     try:
-        make_model(staging, arch="llama", preset="demo", seed=0)
+        make_model(staging, arch="llama", preset=preset, seed=0)
         try:
             os.replace(staging, final)
         except OSError:

@@ -35,6 +35,7 @@ from tandem import telemetry
 from tandem.grpc_guard import MalformedRequestGuard
 from tandem.grpc_server import BindError, ServiceServer, add_health_port_cli
 from tandem.health import ServiceHealth
+from tandem.heap import freeze_startup_heap
 from tandem.protocol.outputs import (
     EngineCoreRequest,
 )
@@ -176,6 +177,7 @@ async def _serve_engine(
     servicer.attach(core, engine_loop)
     servicer.start_pump(asyncio.get_running_loop())
     signals = StopSignals().install()
+    freeze_startup_heap()
     await service_health.ready()
     logger.info("engine %d SERVING %s", server_config.engine_index, engine_config.model)
 

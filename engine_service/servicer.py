@@ -9,6 +9,7 @@ metrics, the stats log and the request spans (all off the step loop).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -37,6 +38,8 @@ from tandem.protocol.outputs import (
     FinishReason,
     RequestError,
     TokenColumns,
+    UnmergeableError,
+    merge_steps,
 )
 from tandem.protocol.sampling_params import InvalidRequestError
 from tandem.telemetry import Tracing
@@ -47,6 +50,9 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = engine_pb2.DESCRIPTOR.services_by_name["EngineCore"].full_name
 # Requests carry token ids and outputs carry logprobs: far below this at any max_model_len.
 MESSAGE_LIMITS = MessageLimits(max_receive_bytes=64 * 1024 * 1024, max_send_bytes=64 * 1024 * 1024)
+
+# The largest Hello.output_window honoured (a larger one is taken as this).
+MAX_OUTPUT_WINDOW = 64
 
 # Finish reasons that end a streaming-input session's turn, not the session.
 _TURN_ENDS = (FinishReason.STOP, FinishReason.LENGTH)
@@ -63,6 +69,11 @@ class _Client:
     outbox: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
     request_ids: set[str] = field(default_factory=set)
     local: bool = False
+    # Flow control (Hello.output_window): at most ``window`` messages unacknowledged;
+    # the steps made meanwhile wait in ``pending`` and go out merged. 0: none.
+    window: int = 0
+    in_flight: int = 0
+    pending: list[EngineCoreOutputs] = field(default_factory=list)
 
 
 class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
@@ -174,7 +185,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
                     engine_index=outs.engine_index, utility_output=utility, timestamp=outs.timestamp,
                     draining=self.draining,
                 )
-                self.clients[target[0]].outbox.put_nowait(msg)
+                self._send_now(self.clients[target[0]], msg)
             return
         per_client: dict[int, list[EngineCoreOutput]] = {cid: [] for cid in self.clients}
         for out in outs.outputs:
@@ -207,9 +218,42 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             if client.local:
                 if outputs or step.token_columns is not None:
                     client.outbox.put_nowait(step)
+            elif client.window and (client.pending or client.in_flight >= client.window):
+                client.pending.append(step)  # the frontend is behind: merged later
             else:
-                client.outbox.put_nowait(convert.engine_core_outputs_to_proto(step))
+                self._put(client, convert.engine_core_outputs_to_proto(step))
         self._note_if_drained()
+
+    # ---- sending to a frontend: in order, within its output window -----------------
+
+    def _put(self, client: _Client, msg: engine_pb2.EngineCoreOutputs) -> None:
+        if client.window:
+            client.in_flight += 1
+        client.outbox.put_nowait(msg)
+
+    def _flush(self, client: _Client, force: bool = False) -> None:
+        """Send the steps held back for ``client``, merged into one message where they
+        can be (``force``: even beyond its window, before a message that must follow them)."""
+        if not client.pending or (not force and client.in_flight >= client.window):
+            return
+        steps, client.pending = client.pending, []
+        with contextlib.suppress(UnmergeableError):  # else each step as it was
+            steps = [merge_steps(steps)]
+        for step in steps:
+            self._put(client, convert.engine_core_outputs_to_proto(step))
+
+    def _send_now(self, client: _Client, msg: engine_pb2.EngineCoreOutputs | None) -> None:
+        """A message outside the step flow (utility answer, drain, refusal, end of
+        stream): whatever is held back goes first. None ends the stream."""
+        self._flush(client, force=True)
+        if msg is None:
+            client.outbox.put_nowait(None)
+        else:
+            self._put(client, msg)
+
+    def _acknowledged(self, client: _Client, count: int) -> None:
+        client.in_flight = max(0, client.in_flight - count)
+        self._flush(client)
 
     def _columns_by_client(self, cols: TokenColumns | None) -> dict[int, TokenColumns]:
         """Each connected client's share of the step's column outputs (none of which
@@ -233,7 +277,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
         msg = convert.engine_dead_outputs(self.core.engine_index, dead.message, time.time())
         for client in self.clients.values():
             if not client.local:  # a local reader finds ``self.dead`` at the None
-                client.outbox.put_nowait(msg)
+                self._send_now(client, msg)
             client.outbox.put_nowait(None)
         self.died.set()
 
@@ -247,7 +291,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
         logger.info("engine %d draining: %d requests in flight", self.core.engine_index, len(self.owner))
         for client in self.clients.values():
             if not client.local:
-                client.outbox.put_nowait(self._draining_message())
+                self._send_now(client, self._draining_message())
         self._note_if_drained()
 
     def abort_all(self, message: str) -> int:
@@ -268,7 +312,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
     def close_streams(self) -> None:
         """End every frontend's stream (after the drain; the outboxes flush first)."""
         for client in self.clients.values():
-            client.outbox.put_nowait(None)
+            self._send_now(client, None)
 
     def fail(self, reason: str) -> None:
         """The step loop hung (the watchdog's verdict): as if the core had died."""
@@ -288,7 +332,10 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
 
     def _send_error(self, client: _Client, rid: str, error: RequestError) -> None:
         step = EngineCoreOutputs.refusal(self.core.engine_index, rid, error, draining=self.draining)
-        client.outbox.put_nowait(step if client.local else convert.engine_core_outputs_to_proto(step))
+        if client.local:
+            client.outbox.put_nowait(step)
+        else:
+            self._send_now(client, convert.engine_core_outputs_to_proto(step))
 
     # ---- in-process readers (engine_service/vllm_grpc) ------------------------------
 
@@ -372,16 +419,20 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
                     self.pending_utility[internal] = (client.client_id, call_id)
                     self._start_utility_span(internal, method)
                     self.engine_loop.call_utility(UtilityCall(internal, method, tuple(args)))
-                elif kind == "hello" and item.hello.tokenizer_fingerprint not in ("", self.fingerprint):
-                    # Frontends check GetEngineInfo first and refuse; this is for other clients.
-                    logger.warning("client %d has a different tokenizer", client.client_id)
+                elif kind == "ack":
+                    self._acknowledged(client, item.ack.count)
+                elif kind == "hello":
+                    client.window = min(item.hello.output_window, MAX_OUTPUT_WINDOW)
+                    if item.hello.tokenizer_fingerprint not in ("", self.fingerprint):
+                        # Frontends check GetEngineInfo first and refuse; this is for other clients.
+                        logger.warning("client %d has a different tokenizer", client.client_id)
         except asyncio.CancelledError:
             raise
         except Exception:
             logger.exception("engine input stream of client %d failed", client.client_id)
         finally:
             # The client half-closed or dropped: end our half too.
-            client.outbox.put_nowait(None)
+            self._send_now(client, None)
 
     def _add(self, client: _Client, msg: engine_pb2.EngineCoreRequest) -> None:
         try:

@@ -31,6 +31,7 @@ from frontend_service.control import RequestControl
 from frontend_service.engine_client import (
     EngineConnection,
     EngineUnavailableError,
+    OutputsRound,
 )
 from frontend_service.engine_group import EngineGroup
 from frontend_service.input_processor import InputProcessor, ProcessedRequest
@@ -87,6 +88,13 @@ class _Stream:
     migrations: int = 0  # times it moved on after losing its engine (migration.py)
     session: bool = False  # a streaming-input session: bound to its engine, never migrated
     span: Any = None  # the request's trace span, if traced
+    # The engine messages whose outputs wait in ``queue``: left once written out.
+    rounds: list[OutputsRound] = field(default_factory=list)
+
+    def leave_rounds(self) -> None:
+        for outputs_round in self.rounds:
+            outputs_round.leave()
+        self.rounds.clear()
 
 
 class AsyncLLM(EngineUtilities, Pooling, Sessions, Migration, RequestControl, RequestObservation):
@@ -145,12 +153,16 @@ class AsyncLLM(EngineUtilities, Pooling, Sessions, Migration, RequestControl, Re
         if self._observing:
             self._observe_tokens(outputs, columns)
         processed = self.output_processor.process_outputs(outputs, columns)
+        outputs_round = getattr(engine, "outputs_round", None)
         for internal_id, request_output in processed.request_outputs:
             stream = self.streams.get(internal_id)
             if stream is not None:
                 stream.got_output = True
                 stream.finished = request_output.finished
                 stream.queue.put_nowait(request_output)
+                if outputs_round is not None:
+                    outputs_round.join()
+                    stream.rounds.append(outputs_round)
         if processed.reqs_to_abort:
             engine.abort(processed.reqs_to_abort)  # stop strings matched
 
@@ -391,10 +403,12 @@ class AsyncLLM(EngineUtilities, Pooling, Sessions, Migration, RequestControl, Re
                             break
                         item = merge_request_outputs(item, later, delta)
                     item.request_id = user_id
-                    yield item
+                    yield item  # returns once the caller took it (a gRPC write completed)
+                    stream.leave_rounds()
                     if item.finished:
                         return
             finally:
+                stream.leave_rounds()
                 self._untrack(internal_id, stream)
                 if not stream.finished:
                     # Cancelled, disconnected, failed or closed early: free the engine's blocks.

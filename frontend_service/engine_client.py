@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
+from tandem.argtypes import non_negative_int
 from tandem.protocol import convert
 from tandem.protocol.outputs import EngineCoreOutputs, EngineCoreRequest, UtilityOutput
 from tandem.security import EngineChannelSecurity
@@ -77,6 +79,63 @@ OutputsHandler = Callable[["EngineConnection", EngineCoreOutputs], None]
 DeadHandler = Callable[["EngineConnection", str], None]
 AliveHandler = Callable[["EngineConnection"], None]
 RECONNECT_MAX_DELAY = 5.0  # seconds between attempts to reach a dead engine, at most
+# Output messages an engine may have in flight to this frontend before it merges its
+# later steps into one (Hello.output_window). Two: one being handed out here while the
+# next travels, so a frontend that keeps up sees every step as it is made; one that
+# falls behind gets fewer, larger messages instead of a backlog.
+OUTPUT_WINDOW = 2
+
+
+def add_output_window_cli(parser: Any) -> None:
+    parser.add_argument(
+        "--engine-output-window", type=non_negative_int,
+        default=non_negative_int(os.environ.get("TANDEM_ENGINE_OUTPUT_WINDOW", str(OUTPUT_WINDOW))),
+        help="Output messages each engine may have in flight to this frontend before it merges "
+        "its later steps into one (flow control: a frontend that falls behind gets fewer, larger "
+        f"messages); 0: one message per step, no flow control (env TANDEM_ENGINE_OUTPUT_WINDOW; "
+        f"default {OUTPUT_WINDOW}).",
+    )
+# A stream that has not written its share of an output message within this many
+# seconds (a client that stopped reading) no longer holds up the acknowledgement.
+ROUND_TIMEOUT_S = 0.05
+
+
+class OutputsRound:
+    """The streams that one engine message gave output to. The message is acknowledged
+    (the engine may send the next) once each of them has handed its output to its
+    client, or ROUND_TIMEOUT_S after it arrived: until then the engine's later steps
+    gather on its side, and reach each stream as one message."""
+
+    __slots__ = ("_on_done", "_timer", "pending")
+
+    def __init__(self) -> None:
+        self.pending = 0
+        self._on_done: Callable[[], None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def join(self) -> None:
+        self.pending += 1
+
+    def leave(self) -> None:
+        self.pending -= 1
+        if self.pending <= 0:
+            self._done()
+
+    def start(self, on_done: Callable[[], None], loop: asyncio.AbstractEventLoop) -> None:
+        """After the message's outputs were handed out: ``on_done`` runs once, when the
+        last stream leaves or at the timeout."""
+        self._on_done = on_done
+        if self.pending <= 0:
+            self._done()
+        else:
+            self._timer = loop.call_later(ROUND_TIMEOUT_S, self._done)
+
+    def _done(self) -> None:
+        on_done, self._on_done = self._on_done, None
+        if on_done is not None:
+            if self._timer is not None:
+                self._timer.cancel()
+            on_done()
 
 
 class EngineConnection:
@@ -89,7 +148,11 @@ class EngineConnection:
         on_dead: DeadHandler,
         on_alive: AliveHandler | None = None,
         channel: EngineChannelSecurity | None = None,
+        output_window: int = OUTPUT_WINDOW,
     ) -> None:
+        if output_window < 0:
+            raise ValueError(f"output_window must be >= 0, got {output_window}")
+        self.output_window = output_window
         self.address = address
         self.index = index
         self.client_index = client_index
@@ -114,6 +177,9 @@ class EngineConnection:
         # Utility calls on the stream waiting for their answer: call id -> future.
         self._utility_calls: dict[int, asyncio.Future[UtilityOutput]] = {}
         self._call_ids = itertools.count(1)
+        # The OutputsRound of the message being handed to on_outputs (None otherwise):
+        # the streams it wakes join it.
+        self.outputs_round: OutputsRound | None = None
 
     async def fetch_info(self, timeout: float) -> engine_pb2.GetEngineInfoResponse:
         """Wait (up to ``timeout``) for the engine to answer and return its info.
@@ -140,7 +206,7 @@ class EngineConnection:
     async def open(self, tokenizer_fingerprint: str) -> None:
         """Start the stream; the first message says who we are."""
         self._fingerprint = tokenizer_fingerprint
-        await self._send.put(convert.hello_input(self.client_index, tokenizer_fingerprint))
+        await self._send.put(convert.hello_input(self.client_index, tokenizer_fingerprint, self.output_window))
         call = self.stub.Stream(self._inputs())
         self.alive = True
         self._reader = asyncio.ensure_future(self._read(call))
@@ -154,6 +220,12 @@ class EngineConnection:
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
         reason = "the engine closed the stream"
+        ack = convert.ack_input(1)
+        loop = asyncio.get_running_loop()
+
+        def acknowledge() -> None:
+            if self.alive and self.output_window:
+                self._send.put_nowait(ack)
         try:
             async for msg in call:
                 try:
@@ -175,7 +247,12 @@ class EngineConnection:
                     waiter = self._utility_calls.pop(outs.utility_output.call_id, None)
                     if waiter is not None and not waiter.done():
                         waiter.set_result(outs.utility_output)
-                self.on_outputs(self, outs)
+                self.outputs_round = OutputsRound()
+                try:
+                    self.on_outputs(self, outs)
+                finally:
+                    handed_out, self.outputs_round = self.outputs_round, None
+                handed_out.start(acknowledge, loop)
         except grpc.aio.AioRpcError as exc:
             reason = f"{exc.code().name}: {exc.details()}"
         except asyncio.CancelledError:

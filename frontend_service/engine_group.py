@@ -35,6 +35,7 @@ from frontend_service.discovery import (
     parse_target,
 )
 from frontend_service.engine_client import (
+    OUTPUT_WINDOW,
     AliveHandler,
     DeadHandler,
     EngineConnection,
@@ -103,6 +104,7 @@ class EngineGroup:
         on_leave: MemberHandler | None = None,
         on_change: Callable[[], None] | None = None,
         channel: EngineChannelSecurity | None = None,
+        output_window: int = OUTPUT_WINDOW,
     ) -> None:
         """``on_join``/``on_leave``: a member starts/stops taking requests for good;
         ``on_change``: the set of placeable engines may have changed (health, metrics);
@@ -116,6 +118,7 @@ class EngineGroup:
         self.discovery_interval = discovery_interval
         self.placement = Placement(placement)
         self.channel = channel or EngineChannelSecurity()
+        self.output_window = output_window  # Hello.output_window of every member
         self._on_outputs = on_outputs
         self._on_dead = on_dead
         self._on_alive = on_alive
@@ -199,7 +202,7 @@ class EngineGroup:
     def _new_member(self, address: str) -> EngineConnection:
         engine = EngineConnection(
             address, self._next_index, self.client_index, self._on_outputs, self._on_dead,
-            self._engine_back, self.channel,
+            self._engine_back, self.channel, self.output_window,
         )
         self._next_index += 1
         self._members[address] = engine

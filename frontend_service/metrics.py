@@ -57,7 +57,9 @@ class FrontendMetrics:
         )
         self.itl = Histogram(
             "tandem:inter_token_latency_seconds",
-            "Time between successive tokens of a sequence reaching the frontend.",
+            "Time between successive tokens of a sequence reaching the frontend (one sample per "
+            "token after the first; tokens that arrive together, from engine steps merged while "
+            "the frontend was behind, share the time since the previous arrival evenly).",
             registry=registry,
             buckets=ITL_BUCKETS,
         )
@@ -161,6 +163,9 @@ class SequenceTimes:
             if first:
                 metrics.ttft.observe(now - self.arrival)
                 metrics.prompt_tokens.inc(self.num_prompt_tokens)
+                gap, samples = 0.0, num_tokens - 1
             else:
-                metrics.itl.observe(now - self.last_token)  # type: ignore[operator]
+                gap, samples = (now - self.last_token) / num_tokens, num_tokens  # type: ignore[operator]
+            for _ in range(samples):
+                metrics.itl.observe(gap)
         self.last_token = now

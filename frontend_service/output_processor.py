@@ -133,7 +133,7 @@ class RequestState:
         self.stop_reason: int | str | None = None
         self.logprobs = LogprobsState(decoder, params.logprobs, params.prompt_logprobs)
         self.text: OutputText | None = None
-        if tokenizer is not None:
+        if tokenizer is not None and params.detokenize:
             self.text = OutputText(
                 make_detokenizer(tokenizer, request.prompt_token_ids, params.skip_special_tokens),
                 StopStringMatcher(params.stop, params.include_stop_str_in_output),
@@ -416,7 +416,8 @@ class OutputProcessor:
             raise InvalidRequestError("request_id", parent.request_id, "already in use")
         if request.sampling_params.stop and self._tokenizer is None:
             raise InvalidRequestError("stop", request.sampling_params.stop, "needs a tokenizer")
-        state = RequestState(request, index, self._tokenizer, self._decoder)
+        detokenize = request.sampling_params.detokenize
+        state = RequestState(request, index, self._tokenizer, self._decoder if detokenize else None)
         parent.attach(state)
         parent.prompt = prompt
         parent.prompt_token_ids = list(request.prompt_token_ids)

@@ -21,9 +21,11 @@ from frontend_service.admission import DEFAULT_MAX_PENDING_REQUESTS, PendingLimi
 from frontend_service.async_llm import AsyncLLM
 from frontend_service.discovery import InvalidTargetError, parse_target
 from frontend_service.engine_client import (
+    OUTPUT_WINDOW,
     EngineConnection,
     EngineUnavailableError,
     TokenizerMismatchError,
+    add_output_window_cli,
 )
 from frontend_service.engine_group import DEFAULT_DISCOVERY_INTERVAL, EngineGroup
 from frontend_service.input_processor import InputProcessor
@@ -40,6 +42,7 @@ from tandem import telemetry
 from tandem.grpc_guard import MalformedRequestGuard
 from tandem.grpc_server import BindError, MessageLimits, ServiceServer, add_health_port_cli
 from tandem.health import ServiceHealth
+from tandem.heap import freeze_startup_heap
 from tandem.protocol.fingerprint import tokenizer_fingerprint
 from tandem.protocol.model_config import ModelConfig
 from tandem.security import (
@@ -88,6 +91,9 @@ class FrontendConfig:
     discovery_interval: float = DEFAULT_DISCOVERY_INTERVAL  # seconds between dns:/// and file:/// lookups
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     migration: MigrationConfig = field(default_factory=MigrationConfig)  # requests of a lost engine
+    # Hello.output_window: engine output messages in flight before the engine merges
+    # its later steps (flow control); 0: one message per step.
+    engine_output_window: int = OUTPUT_WINDOW
 
 
 async def serve_frontend(
@@ -177,6 +183,7 @@ async def _serve_frontend(
         config.engines, config.client_index, on_outputs, on_dead, on_alive,
         discovery_interval=config.discovery_interval, placement=config.placement,
         on_join=on_join, on_leave=on_leave, on_change=on_change, channel=config.engine_channel,
+        output_window=config.engine_output_window,
     )
     admin_servicer = admin.FrontendAdminServicer(group)
     frontend_pb2_grpc.add_FrontendAdminServicer_to_server(admin_servicer, server)
@@ -224,6 +231,7 @@ async def _serve_frontend(
     servicer.attach(llm, model_name, info)
     admin_servicer.llm = llm
     signals = StopSignals().install()
+    freeze_startup_heap()
     await service_health.ready()
     logger.info("frontend SERVING on %s:%d with %d engine(s)", config.host, bound, len(group.placeable()))
     if ready is not None:
@@ -325,6 +333,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     add_server_security_cli(p, engine=False)
     add_engine_channel_cli(p)
     add_migration_cli(p)
+    add_output_window_cli(p)
     p.set_defaults(handler=run_cli)
 
 
@@ -366,6 +375,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         discovery_interval=args.discovery_interval,
         placement=PlacementConfig(policy=PlacementPolicy(args.placement)),
         migration=migration_config_from_args(args),
+        engine_output_window=args.engine_output_window,
     )
 
 

@@ -121,11 +121,13 @@ class Sessions:
                         raise item
                     item.request_id = user_id
                     yield item
+                    stream.leave_rounds()
                     if item.finished:
                         break
                 turn += 1
         finally:
             if stream is not None:
+                stream.leave_rounds()
                 llm._untrack(internal_id, stream)
                 llm.output_processor.abort_requests([internal_id])
                 stream.engine.abort(stream.engine_request_ids)  # ends the session: blocks freed

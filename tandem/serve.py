@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 
+from frontend_service.engine_client import add_output_window_cli
 from frontend_service.migration import add_migration_cli, migration_config_from_args
 from frontend_service.openai import add_http_port_cli
 from tandem import ports, telemetry
@@ -61,6 +62,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     telemetry.add_metrics_cli(p, default_port=8000)
     add_http_port_cli(p)
     add_migration_cli(p)
+    add_output_window_cli(p)
     p.add_argument("--engine-metrics-base-port", type=int,
                    default=int(env("TANDEM_ENGINE_METRICS_BASE_PORT", "8001")),
                    help="Engine i serves /metrics on this port + i; 0: off "
@@ -176,7 +178,8 @@ async def _serve(args: argparse.Namespace, model: str, supervisor: EngineSupervi
                             security=ServerSecurity(TlsFiles(args.tls_cert, args.tls_key),
                                                     admin_token=args.admin_token, admin_port=admin_port),
                             engine_channel=EngineChannelSecurity(engine_token=args.engine_token),
-                            drain_timeout=args.drain_timeout, migration=migration_config_from_args(args))
+                            drain_timeout=args.drain_timeout, migration=migration_config_from_args(args),
+                            engine_output_window=args.engine_output_window)
     admin = f", admin on 127.0.0.1:{admin_port}" if admin_port else ""
     if args.http_port:
         admin += f", OpenAI-compatible API on http{'s' if args.tls_cert else ''}://{args.host}:{args.http_port}/v1"

@@ -194,3 +194,21 @@ def test_roofline_with_attention_counts_prefill_pairs_and_decode_kv_reads() -> N
     assert got == pytest.approx((65 + 277) * 1e-9)
     # At batch 2 the weights are read once per two tokens: 100 + 77 bytes.
     assert roof.workload_seconds_with_attention([4], [3], batch=2) == pytest.approx((65 + 177) * 1e-9)
+
+
+def test_split_cost_runs_every_path_with_the_same_tokens(tiny_llama_dir: str, tmp_path: Path) -> None:
+    """In-process, gRPC DELTA and FINAL_ONLY and the HTTP stream: every run reports its
+    CPU per token, and the gRPC runs' tokens equal the in-process run's (exit 1 if not)."""
+    out = tmp_path / "split.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.split_cost", "--smoke", "--model", tiny_llama_dir, "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    doc = json.loads(out.read_text())
+    assert [r["mode"] for r in doc["runs"]] == ["delta", "final", "http"]
+    for run in doc["runs"]:
+        assert run["tokens"] == doc["local"]["tokens"] > 0
+        assert run["us_per_token"]["frontend"] > 0 and run["us_per_token"]["engine"] > 0
+        if run["mode"] != "http":
+            assert run["digest"] == doc["local"]["digest"]

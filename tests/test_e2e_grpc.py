@@ -192,6 +192,16 @@ def test_output_kinds(stub: frontend_pb2_grpc.GenerationStub) -> None:
     assert (prev_text, prev_ids) == (final.text, list(final.token_ids))
 
 
+def test_detokenize_false_streams_token_ids_without_text(stub: frontend_pb2_grpc.GenerationStub) -> None:
+    text = run(stub, frontend_pb2.GenerateRequest(prompt="Once upon a time", sampling_params=greedy(16, DELTA)))
+    params = greedy(16, DELTA)
+    params.detokenize = False
+    ids_only = run(stub, frontend_pb2.GenerateRequest(prompt="Once upon a time", sampling_params=params))
+    assert joined(ids_only) == ("", joined(text)[1])
+    assert joined(text)[0]  # the same request with text has some
+    assert ids_only[-1].outputs[0].finish_reason == "length"
+
+
 def test_n3_seeded(stub: frontend_pb2_grpc.GenerationStub, offline_llm: LLM) -> None:
     def request(kind: int) -> frontend_pb2.GenerateRequest:
         sp = params(kind, n=3, temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
@@ -487,6 +497,9 @@ BAD_REQUESTS: dict[str, tuple[Callable[[frontend_pb2.GenerateRequest], None], st
     "negative token id": (_ids([-3, 5]), "prompt_token_ids[0]"),
     "allowed id out of range": (lambda r: r.sampling_params.allowed_token_ids.append(5000), "allowed_token_ids"),
     "empty stop string": (lambda r: r.sampling_params.stop.append(""), "stop"),
+    "stop string without text": (
+        lambda r: (r.sampling_params.stop.append("x"), setattr(r.sampling_params, "detokenize", False)), "stop"
+    ),
     "too many logprobs": (_set("logprobs", 21), "logprobs"),
     "empty chat": (_chat(), "messages"),
     "unknown chat role": (_chat("user", "wizard"), "messages[1].role"),

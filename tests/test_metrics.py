@@ -126,14 +126,14 @@ def test_frontend_sequence_times_feed_ttft_itl_and_tokens() -> None:
     seq = SequenceTimes(arrival=10.0, num_prompt_tokens=7)
     seq.on_tokens(10.5, 1, metrics)
     seq.on_tokens(10.75, 1, metrics)
-    seq.on_tokens(11.0, 2, metrics)
+    seq.on_tokens(11.0, 2, metrics)  # two steps merged: 0.125 s each
     metrics.record_finished(["length"], 1.25)
     get = registry.get_sample_value
     assert get("tandem:prompt_tokens_total") == 7
     assert get("tandem:generation_tokens_total") == 4
     assert get("tandem:time_to_first_token_seconds_count") == 1
     assert get("tandem:time_to_first_token_seconds_sum") == 0.5
-    assert get("tandem:inter_token_latency_seconds_count") == 2
+    assert get("tandem:inter_token_latency_seconds_count") == 3  # one per token after the first
     assert get("tandem:inter_token_latency_seconds_sum") == 0.5
     assert get("tandem:e2e_request_latency_seconds_sum") == 1.25
     assert get("tandem:request_success_total", {"finished_reason": "length"}) == 1

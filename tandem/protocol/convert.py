@@ -175,6 +175,7 @@ def sampling_params_to_proto(sp: SamplingParams) -> common_pb2.SamplingParams:
         logprobs=sp.logprobs,
         prompt_logprobs=sp.prompt_logprobs,
         skip_special_tokens=sp.skip_special_tokens,
+        detokenize=sp.detokenize,
         output_kind=output_kind_to_proto(sp.output_kind),
         structured_outputs=structured_outputs_to_proto(sp.structured_outputs),
     )
@@ -244,6 +245,7 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams
         skip_special_tokens=(
             msg.skip_special_tokens if has("skip_special_tokens") else d.skip_special_tokens
         ),
+        detokenize=msg.detokenize if has("detokenize") else d.detokenize,
         output_kind=output_kind_from_proto(msg.output_kind),
         structured_outputs=(
             structured_outputs_from_proto(msg.structured_outputs)
@@ -352,12 +354,19 @@ def engine_core_request_from_proto(msg: engine_pb2.EngineCoreRequest) -> EngineC
 # ---- engine inputs ----------------------------------------------------------
 
 
-def hello_input(client_index: int, tokenizer_fingerprint: str = "") -> engine_pb2.EngineCoreInput:
+def hello_input(
+    client_index: int, tokenizer_fingerprint: str = "", output_window: int = 0
+) -> engine_pb2.EngineCoreInput:
     return engine_pb2.EngineCoreInput(
         hello=engine_pb2.Hello(
-            client_index=client_index, tokenizer_fingerprint=tokenizer_fingerprint
+            client_index=client_index, tokenizer_fingerprint=tokenizer_fingerprint,
+            output_window=output_window,
         )
     )
+
+
+def ack_input(count: int = 1) -> engine_pb2.EngineCoreInput:
+    return engine_pb2.EngineCoreInput(ack=engine_pb2.OutputsAck(count=count))
 
 
 def add_input(
@@ -657,6 +666,7 @@ def engine_core_outputs_to_proto(outs: EngineCoreOutputs) -> engine_pb2.EngineCo
         utility_output=None if utility is None else utility_output_to_proto(utility),
         finished_requests=outs.finished_requests,
         draining=outs.draining,
+        num_steps=outs.num_steps if outs.num_steps > 1 else 0,
     )
 
 
@@ -680,6 +690,7 @@ def engine_core_outputs_from_proto(msg: engine_pb2.EngineCoreOutputs) -> EngineC
         finished_requests=set(msg.finished_requests) or None,
         draining=msg.draining,
         token_columns=columns if columns else None,
+        num_steps=msg.num_steps or 1,
     )
 
 

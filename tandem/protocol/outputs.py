@@ -272,6 +272,7 @@ class EngineCoreOutputs:
     draining: bool = False  # the engine takes no new requests (graceful shutdown)
     token_columns: TokenColumns | None = None  # the outputs with only new tokens; None: none
     iteration_stats: IterationStats | None = field(default=None, compare=False)  # engine-local
+    num_steps: int = 1  # engine steps reported here (merge_steps); 1 unless merged
 
     def all_outputs(self) -> list[EngineCoreOutput]:
         """Every output as an object: the column ones first, then ``outputs``."""
@@ -293,3 +294,107 @@ class EngineCoreOutputs:
             request_id, [], finish_reason=FinishReason.ERROR, stop_reason=error.message, error=error
         )
         return cls(engine_index, [out], finished_requests={request_id}, draining=draining)
+
+
+class UnmergeableError(ValueError):
+    """Two steps' outputs of one request cannot be told as one (their logprob rows
+    would no longer line up with their tokens, or a finished request went on)."""
+
+
+def merge_steps(steps: list[EngineCoreOutputs]) -> EngineCoreOutputs:
+    """Consecutive steps' outputs for one client as one ``EngineCoreOutputs``: each
+    request once, with the tokens of every step in order; the last step's stats,
+    timestamp and draining flag. Raises UnmergeableError where that would lose
+    information (the caller then sends the steps as they are). No utility outputs.
+
+    The steps' own objects are not changed."""
+    if len(steps) == 1:
+        return steps[0]
+    # request id -> [tokens, num_cached_tokens] (a column entry) or an EngineCoreOutput
+    merged: dict[str, list[Any] | EngineCoreOutput] = {}
+    finished: set[str] = set()
+    for step in steps:
+        if step.utility_output is not None:
+            raise UnmergeableError("a utility output is never merged")
+        cols = step.token_columns
+        if cols is not None:
+            for rid, tokens, cached in zip(cols.request_ids, cols.token_lists(), cols.cached_counts()):
+                known = merged.get(rid)
+                if known is None:
+                    merged[rid] = [tokens, cached]
+                elif isinstance(known, list):
+                    known[0] = known[0] + tokens
+                    known[1] = max(known[1], cached)
+                else:
+                    merged[rid] = _merge_output(known, EngineCoreOutput(rid, tokens, num_cached_tokens=cached))
+        for out in step.outputs:
+            known = merged.get(out.request_id)
+            if known is None:
+                merged[out.request_id] = out
+                continue
+            if isinstance(known, list):
+                known = EngineCoreOutput(out.request_id, known[0], num_cached_tokens=known[1])
+            merged[out.request_id] = _merge_output(known, out)
+        if step.finished_requests:
+            finished |= step.finished_requests
+    ids: list[str] = []
+    tokens: list[list[int]] = []
+    cached: list[int] = []
+    outputs: list[EngineCoreOutput] = []
+    for rid, entry in merged.items():
+        if isinstance(entry, list):
+            ids.append(rid)
+            tokens.append(entry[0])
+            cached.append(entry[1])
+        else:
+            outputs.append(entry)
+    columns = None
+    if ids:
+        counts = list(map(len, tokens))
+        columns = TokenColumns(
+            ids,
+            list(chain.from_iterable(tokens)),
+            None if counts.count(1) == len(counts) else counts,
+            cached if any(cached) else None,
+        )
+    last = steps[-1]
+    return EngineCoreOutputs(
+        engine_index=last.engine_index,
+        outputs=outputs,
+        scheduler_stats=last.scheduler_stats,
+        timestamp=last.timestamp,
+        finished_requests=finished or None,
+        draining=last.draining,
+        token_columns=columns,
+        num_steps=sum(s.num_steps for s in steps),
+    )
+
+
+def _merge_output(first: EngineCoreOutput, then: EngineCoreOutput) -> EngineCoreOutput:
+    """One request's outputs of two consecutive steps as one."""
+    if first.finished:
+        raise UnmergeableError(f"request {first.request_id} produced output after it finished")
+    if first.pooling_output is not None or then.pooling_output is not None:
+        raise UnmergeableError("pooling outputs are never merged")
+    lp_first, lp_then = first.new_logprobs, then.new_logprobs
+    if (lp_first is None) != (lp_then is None) and (first.new_token_ids and then.new_token_ids):
+        raise UnmergeableError("logprobs in one step and not in the other")
+    logprobs = lp_first or lp_then
+    if lp_first is not None and lp_then is not None:
+        logprobs = Logprobs(
+            lp_first.token_ids + lp_then.token_ids, lp_first.logprobs + lp_then.logprobs,
+            lp_first.ranks + lp_then.ranks,
+        )
+    if first.new_prompt_logprobs is not None and then.new_prompt_logprobs is not None:
+        raise UnmergeableError("prompt logprobs in two steps")
+    return EngineCoreOutput(
+        request_id=first.request_id,
+        new_token_ids=first.new_token_ids + then.new_token_ids,
+        new_logprobs=logprobs,
+        new_prompt_logprobs=first.new_prompt_logprobs or then.new_prompt_logprobs,
+        finish_reason=then.finish_reason,
+        stop_reason=then.stop_reason,
+        num_cached_tokens=max(first.num_cached_tokens, then.num_cached_tokens),
+        trace_headers=then.trace_headers or first.trace_headers,
+        error=then.error,
+    )

@@ -63,6 +63,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per sampled token (plus the sampled one)
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token
     skip_special_tokens: bool = True
+    detokenize: bool = True  # False: token ids only, no text (and no stop strings)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # JSON schema / regex / choice / grammar the output must match (None: free text).
     structured_outputs: StructuredOutputsParams | None = None
@@ -127,6 +128,8 @@ class SamplingParams:
             )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop", self.stop, "stop strings must be non-empty")
+        if self.stop and not self.detokenize:
+            raise InvalidRequestError("stop", self.stop, "stop strings need text: not with detokenize=false")
         if vocab_size is not None:
             _token_ids_in_vocab("stop_token_ids", self.stop_token_ids, vocab_size)
             if self.allowed_token_ids is not None:

@@ -101,24 +101,34 @@ class UtilityOutput(_message.Message):
     def __init__(self, call_id: _Optional[int] = ..., result: _Optional[_Union[UtilityValue, _Mapping]] = ..., failure_message: _Optional[str] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("client_index", "tokenizer_fingerprint")
+    __slots__ = ("client_index", "tokenizer_fingerprint", "output_window")
     CLIENT_INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_WINDOW_FIELD_NUMBER: _ClassVar[int]
     client_index: int
     tokenizer_fingerprint: str
-    def __init__(self, client_index: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ...) -> None: ...
+    output_window: int
+    def __init__(self, client_index: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., output_window: _Optional[int] = ...) -> None: ...
+
+class OutputsAck(_message.Message):
+    __slots__ = ("count",)
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    count: int
+    def __init__(self, count: _Optional[int] = ...) -> None: ...
 
 class EngineCoreInput(_message.Message):
-    __slots__ = ("add", "abort", "utility", "hello")
+    __slots__ = ("add", "abort", "utility", "hello", "ack")
     ADD_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
     UTILITY_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
     add: EngineCoreRequest
     abort: AbortRequests
     utility: UtilityCall
     hello: Hello
-    def __init__(self, add: _Optional[_Union[EngineCoreRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequests, _Mapping]] = ..., utility: _Optional[_Union[UtilityCall, _Mapping]] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ...) -> None: ...
+    ack: OutputsAck
+    def __init__(self, add: _Optional[_Union[EngineCoreRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequests, _Mapping]] = ..., utility: _Optional[_Union[UtilityCall, _Mapping]] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., ack: _Optional[_Union[OutputsAck, _Mapping]] = ...) -> None: ...
 
 class EngineCoreOutput(_message.Message):
     __slots__ = ("request_id", "new_token_ids", "new_logprobs", "new_prompt_logprobs", "finish_reason", "stop_token_id", "stop_str", "num_cached_tokens", "trace_headers", "error", "pooling_output")
@@ -202,7 +212,7 @@ class EngineDead(_message.Message):
     def __init__(self, message: _Optional[str] = ...) -> None: ...
 
 class EngineCoreOutputs(_message.Message):
-    __slots__ = ("engine_index", "outputs", "scheduler_stats", "timestamp", "utility_output", "finished_requests", "engine_dead", "token_columns", "draining")
+    __slots__ = ("engine_index", "outputs", "scheduler_stats", "timestamp", "utility_output", "finished_requests", "engine_dead", "token_columns", "draining", "num_steps")
     ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_STATS_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +222,7 @@ class EngineCoreOutputs(_message.Message):
     ENGINE_DEAD_FIELD_NUMBER: _ClassVar[int]
     TOKEN_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     engine_index: int
     outputs: _containers.RepeatedCompositeFieldContainer[EngineCoreOutput]
     scheduler_stats: SchedulerStats
@@ -221,7 +232,8 @@ class EngineCoreOutputs(_message.Message):
     engine_dead: EngineDead
     token_columns: TokenColumns
     draining: bool
-    def __init__(self, engine_index: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[EngineCoreOutput, _Mapping]]] = ..., scheduler_stats: _Optional[_Union[SchedulerStats, _Mapping]] = ..., timestamp: _Optional[float] = ..., utility_output: _Optional[_Union[UtilityOutput, _Mapping]] = ..., finished_requests: _Optional[_Iterable[str]] = ..., engine_dead: _Optional[_Union[EngineDead, _Mapping]] = ..., token_columns: _Optional[_Union[TokenColumns, _Mapping]] = ..., draining: _Optional[bool] = ...) -> None: ...
+    num_steps: int
+    def __init__(self, engine_index: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[EngineCoreOutput, _Mapping]]] = ..., scheduler_stats: _Optional[_Union[SchedulerStats, _Mapping]] = ..., timestamp: _Optional[float] = ..., utility_output: _Optional[_Union[UtilityOutput, _Mapping]] = ..., finished_requests: _Optional[_Iterable[str]] = ..., engine_dead: _Optional[_Union[EngineDead, _Mapping]] = ..., token_columns: _Optional[_Union[TokenColumns, _Mapping]] = ..., draining: _Optional[bool] = ..., num_steps: _Optional[int] = ...) -> None: ...
 
 class GetEngineInfoRequest(_message.Message):
     __slots__ = ()
