@@ -125,7 +125,7 @@ def free_port() -> int:
 # ---- the client process --------------------------------------------------------------------
 
 
-async def _run_grpc(target: str, work: Workload, concurrency: int, final_only: bool
+async def _run_grpc(target: str, work: Workload, concurrency: int, final_only: bool, num_channels: int
                     ) -> tuple[list[list[int]], int]:
     """Every request's token ids, and how many messages carried them."""
     import grpc
@@ -136,11 +136,15 @@ async def _run_grpc(target: str, work: Workload, concurrency: int, final_only: b
     results: list[list[int]] = [[] for _ in work.prompts]
     messages = [0] * work.num_requests
     gate = asyncio.Semaphore(concurrency)
-    options = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
-    async with grpc.aio.insecure_channel(target, options=options) as channel:
-        stub = frontend_pb2_grpc.GenerationStub(channel)
+    # One connection per channel: several let the kernel spread a client's streams over
+    # the frontend processes sharing the port (--frontends N).
+    options = [("grpc.max_receive_message_length", 64 * 1024 * 1024), ("grpc.use_local_subchannel_pool", 1)]
+    channels = [grpc.aio.insecure_channel(target, options=options) for _ in range(num_channels)]
+    stubs = [frontend_pb2_grpc.GenerationStub(c) for c in channels]
+    try:
 
         async def one(i: int) -> None:
+            stub = stubs[i % len(stubs)]
             params = common_pb2.SamplingParams(
                 temperature=0.0, max_tokens=work.max_tokens[i], ignore_eos=True, output_kind=kind
             )
@@ -154,6 +158,9 @@ async def _run_grpc(target: str, work: Workload, concurrency: int, final_only: b
                     messages[i] += 1
 
         await asyncio.gather(*(one(i) for i in range(work.num_requests)))
+    finally:
+        for channel in channels:
+            await channel.close()
     return results, sum(messages)
 
 
@@ -185,7 +192,9 @@ def client_main(args: argparse.Namespace) -> int:
         counts = asyncio.run(_run_http(args.target, work, args.concurrency))
         doc: dict[str, Any] = {"tokens": sum(counts), "lists": None, "messages": None}
     else:
-        lists, messages = asyncio.run(_run_grpc(args.target, work, args.concurrency, args.mode == "final"))
+        lists, messages = asyncio.run(
+            _run_grpc(args.target, work, args.concurrency, args.mode == "final", args.channels)
+        )
         doc = {"tokens": sum(map(len, lists)), "lists": lists, "messages": messages}
     doc["seconds"] = time.perf_counter() - start
     print(json.dumps(doc), flush=True)
@@ -291,7 +300,7 @@ class Stack:
                 self.proc.wait()
 
 
-def run_clients(stack: Stack, mode: str, work_path: str, clients: int, concurrency: int
+def run_clients(stack: Stack, mode: str, work_path: str, clients: int, concurrency: int, channels: int = 1
                 ) -> dict[str, Any]:
     """``clients`` client processes at once; CPU of every stack process over the run."""
     target = f"http://127.0.0.1:{stack.http_port}" if mode == "http" else stack.target
@@ -299,7 +308,7 @@ def run_clients(stack: Stack, mode: str, work_path: str, clients: int, concurren
         subprocess.Popen(
             [sys.executable, "-m", "benchmarks.split_cost", "client", "--target", target,
              "--mode", mode, "--work", work_path, "--index", str(i), "--of", str(clients),
-             "--concurrency", str(max(1, concurrency // clients))],
+             "--concurrency", str(max(1, concurrency // clients)), "--channels", str(channels)],
             env=_child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
         for i in range(clients)
@@ -345,6 +354,7 @@ def main() -> int:
     c.add_argument("--index", type=int, default=0)
     c.add_argument("--of", type=int, default=1)
     c.add_argument("--concurrency", type=int, default=128)
+    c.add_argument("--channels", type=int, default=1)
     loc = sub.add_parser("local", help="(internal) the in-process run")
     loc.add_argument("--model", required=True)
     loc.add_argument("--work", required=True)
@@ -357,6 +367,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=256, help="streams open at once, all clients together")
     ap.add_argument("--clients", type=int, default=2, help="client processes")
     ap.add_argument("--frontends", type=int, default=1, help="tandem serve --frontends")
+    ap.add_argument("--channels", type=int, default=0,
+                    help="gRPC connections per client process (default: 1, or 2 per frontend with --frontends > 1)")
     ap.add_argument("--prompt-range", default="16,64")
     ap.add_argument("--output-range", default="64,128")
     ap.add_argument("--max-num-seqs", type=int, default=256)
@@ -382,6 +394,7 @@ def main() -> int:
     orange = tuple(int(x) for x in args.output_range.split(","))
     work = make_workload(args.num_requests, vocab, prange, orange, args.seed)  # type: ignore[arg-type]
     modes = [m for m in args.modes.split(",") if m]
+    channels = args.channels or (1 if args.frontends == 1 else 2 * args.frontends)
     engine_args = ["--num-threads", "1", "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "512",
                    *shlex.split(args.engine_args)]
     engine_kwargs: dict[str, Any] = {
@@ -391,13 +404,13 @@ def main() -> int:
     mismatches = 0
     result: dict[str, Any] = {"model": model, "num_requests": args.num_requests,
                               "concurrency": args.concurrency, "clients": args.clients,
-                              "frontends": args.frontends, "runs": []}
+                              "frontends": args.frontends, "channels": channels, "runs": []}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         f.write(work.to_json())
         work_path = f.name
     print(f"{args.num_requests} requests, prompts {args.prompt_range} / outputs {args.output_range} tokens,"
           f" greedy; model {os.path.basename(model)}; {args.concurrency} streams from {args.clients}"
-          f" client processes; {args.frontends} frontend(s)", flush=True)
+          f" client processes ({channels} connection(s) each); {args.frontends} frontend(s)", flush=True)
     try:
         if not args.no_local:
             local = run_local(model, work_path, engine_kwargs)
@@ -415,7 +428,7 @@ def main() -> int:
             run_clients(stack, "delta", f.name, 1, args.concurrency)
             os.unlink(f.name)
             for mode in modes:
-                run = run_clients(stack, mode, work_path, args.clients, args.concurrency)
+                run = run_clients(stack, mode, work_path, args.clients, args.concurrency, channels)
                 result["runs"].append(run)
                 us = run["us_per_token"]
                 total = us["frontend"] + us["engine"]

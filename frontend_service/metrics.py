@@ -6,14 +6,39 @@ end-to-end latency (from the moment ``Generate`` arrived), finished requests by 
 reason (stop strings and client cancels are only known here), prompt and generation
 token counts, and whether each engine is up. Queue/prefill/decode times, KV-cache and
 scheduler state are the engines' (``engine_service/metrics.py``).
+
+Several frontend processes (``tandem serve --frontends N``) share one set of series
+through prometheus_client's multiprocess mode: with ``PROMETHEUS_MULTIPROC_DIR`` set,
+each process writes its values there and any of them serves the sum
+(``serving_registry``); the engine gauges then hold the least (health) and the sum
+(in-flight requests) over the live processes, refreshed every second.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def multiprocess() -> bool:
+    """Whether this process shares its metrics with others (MULTIPROC_ENV is set)."""
+    return bool(os.environ.get(MULTIPROC_ENV))
+
+
+def serving_registry() -> CollectorRegistry:
+    """The registry to serve /metrics from: in multiprocess mode one that reads every
+    process's values (the metrics themselves then live in a private registry)."""
+    registry = CollectorRegistry()
+    if multiprocess():
+        from prometheus_client import multiprocess as mp
+
+        mp.MultiProcessCollector(registry)
+    return registry
 
 FINISH_REASONS = ("stop", "length", "abort", "error", "deadline")
 
@@ -95,6 +120,7 @@ class FrontendMetrics:
             "1 while the frontend's stream to the engine is up, else 0.",
             ["engine", "address"],
             registry=registry,
+            multiprocess_mode="livemin",  # up only where every frontend process reaches it
         )
 
         self.engine_in_flight = Gauge(
@@ -102,7 +128,11 @@ class FrontendMetrics:
             "This frontend's requests on the engine that have not finished.",
             ["engine", "address"],
             registry=registry,
+            multiprocess_mode="livesum",
         )
+        # Multiprocess mode reads values from files, not callbacks: the callbacks of the
+        # watched engines, pushed by ``refresh``.
+        self._watched: dict[tuple[str, str], tuple[Callable[[], bool], Callable[[], int] | None]] = {}
 
     def watch_engine(
         self,
@@ -112,7 +142,12 @@ class FrontendMetrics:
         in_flight: Callable[[], int] | None = None,
     ) -> None:
         """Report ``is_up()`` as the engine's health (and ``in_flight()`` as its
-        requests), read at every scrape, until ``unwatch_engine``."""
+        requests), read at every scrape (in multiprocess mode: every ``refresh``), until
+        ``unwatch_engine``."""
+        if multiprocess():
+            self._watched[(str(index), address)] = (is_up, in_flight)
+            self.refresh()
+            return
         self.engine_healthy.labels(engine=str(index), address=address).set_function(
             lambda: 1.0 if is_up() else 0.0
         )
@@ -123,9 +158,17 @@ class FrontendMetrics:
 
     def unwatch_engine(self, index: int, address: str) -> None:
         """The engine left for good: drop its series (engines come and go with discovery)."""
+        self._watched.pop((str(index), address), None)
         for gauge in (self.engine_healthy, self.engine_in_flight):
             with contextlib.suppress(KeyError):
                 gauge.remove(str(index), address)
+
+    def refresh(self) -> None:
+        """Write the watched engines' gauges (multiprocess mode; no-op otherwise)."""
+        for (index, address), (is_up, in_flight) in list(self._watched.items()):
+            self.engine_healthy.labels(engine=index, address=address).set(1.0 if is_up() else 0.0)
+            if in_flight is not None:
+                self.engine_in_flight.labels(engine=index, address=address).set(float(in_flight()))
 
     def record_finished(self, finish_reasons: Iterable[str], e2e_seconds: float) -> None:
         for reason in finish_reasons:

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from grpc_health.v1 import health, health_pb2_grpc
 
@@ -29,7 +31,7 @@ from frontend_service.engine_client import (
 )
 from frontend_service.engine_group import DEFAULT_DISCOVERY_INTERVAL, EngineGroup
 from frontend_service.input_processor import InputProcessor
-from frontend_service.metrics import FrontendMetrics
+from frontend_service.metrics import FrontendMetrics, multiprocess, serving_registry
 from frontend_service.migration import (
     MigrationConfig,
     add_migration_cli,
@@ -59,6 +61,8 @@ from tandem.telemetry import Tracing
 from tandem.v1 import frontend_pb2, frontend_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 SERVICE_NAME = frontend_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 # A request is a prompt (or chat) and its sampling settings; prompt length is bounded by
@@ -94,12 +98,21 @@ class FrontendConfig:
     # Hello.output_window: engine output messages in flight before the engine merges
     # its later steps (flow control); 0: one message per step.
     engine_output_window: int = OUTPUT_WINDOW
+    # Share --port and --http-port with this user's other frontend processes
+    # (SO_REUSEPORT; the kernel spreads connections across them): ``tandem serve
+    # --frontends N`` starts them so.
+    reuse_port: bool = False
 
 
 async def serve_frontend(
-    config: FrontendConfig, ready: asyncio.Event | None = None, tracing: Tracing | None = None
+    config: FrontendConfig,
+    ready: asyncio.Event | None = None,
+    tracing: Tracing | None = None,
+    abort_start: asyncio.Event | None = None,
 ) -> int:
-    """Run until SIGTERM/SIGINT. ``tracing``: where request spans go (None: no spans)."""
+    """Run until SIGTERM/SIGINT. ``tracing``: where request spans go (None: no spans).
+    ``abort_start``: set while the frontend is still waiting for its engines, it gives up
+    (EngineUnavailableError) and closes its ports, as when they do not answer."""
     if not config.engines:
         raise ValueError("the frontend needs at least one --engine HOST:PORT, dns:///NAME:PORT or file:///PATH")
     metrics_server = None
@@ -109,12 +122,12 @@ async def serve_frontend(
     if config.metrics_port or config.http_port:
         from prometheus_client import CollectorRegistry
 
-        registry = CollectorRegistry()
-        metrics = FrontendMetrics(registry)
+        registry = serving_registry()
+        metrics = FrontendMetrics(CollectorRegistry() if multiprocess() else registry)
     if config.metrics_port:
         metrics_server = telemetry.start_metrics_server(registry, config.host, config.metrics_port)
     try:
-        return await _serve_frontend(config, ready, tracing, metrics, registry)
+        return await _serve_frontend(config, ready, tracing, metrics, registry, abort_start)
     finally:
         if metrics_server is not None:
             metrics_server.shutdown()
@@ -126,6 +139,7 @@ async def _serve_frontend(
     tracing: Tracing | None,
     metrics: FrontendMetrics | None,
     registry: Any = None,
+    abort_start: asyncio.Event | None = None,
 ) -> int:
     from transformers import AutoTokenizer
 
@@ -134,7 +148,7 @@ async def _serve_frontend(
     health_servicer = health.aio.HealthServicer()
     server = ServiceServer(
         config.host, config.port, config.security, MESSAGE_LIMITS, interceptors=[MalformedRequestGuard()],
-        health_port=config.health_port
+        health_port=config.health_port, reuse_port=config.reuse_port,
     )
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     server.enable_reflection((SERVICE_NAME, admin.SERVICE_NAME))
@@ -197,7 +211,7 @@ async def _serve_frontend(
 
         view = FrontendView(servicer, config.model, http_ready, registry)
         try:
-            http = HttpServer(view, config.host, config.http_port, config.security.tls)
+            http = HttpServer(view, config.host, config.http_port, config.security.tls, config.reuse_port)
         except BaseException:
             await server.stop(0)
             raise
@@ -205,7 +219,7 @@ async def _serve_frontend(
     if http is not None:
         http.start()  # answers 503 until the engines are connected
     try:
-        info = await group.connect(fingerprint, config.connect_timeout)
+        info = await _unless(group.connect(fingerprint, config.connect_timeout), abort_start)
     except BaseException:
         # Unreachable or mismatched engines: close the ports before giving up.
         if http is not None:
@@ -231,6 +245,9 @@ async def _serve_frontend(
     servicer.attach(llm, model_name, info)
     admin_servicer.llm = llm
     signals = StopSignals().install()
+    if metrics is not None and multiprocess():
+        refresher = asyncio.ensure_future(_refresh_metrics(metrics))
+        background.add(refresher)
     freeze_startup_heap()
     await service_health.ready()
     logger.info("frontend SERVING on %s:%d with %d engine(s)", config.host, bound, len(group.placeable()))
@@ -245,6 +262,29 @@ async def _serve_frontend(
     await server.stop(STREAM_CLOSE_GRACE)
     await group.close()
     return 0
+
+
+async def _unless(work: Awaitable[T], abort: asyncio.Event | None) -> T:
+    """``work``'s result, or EngineUnavailableError once ``abort`` is set first."""
+    if abort is None:
+        return await work
+    task = asyncio.ensure_future(work)
+    stop = asyncio.ensure_future(abort.wait())
+    await asyncio.wait([task, stop], return_when=asyncio.FIRST_COMPLETED)
+    stop.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        raise EngineUnavailableError("start-up stopped: an engine failed to start")
+    return task.result()
+
+
+async def _refresh_metrics(metrics: FrontendMetrics) -> None:
+    """Multiprocess mode: the engine gauges, every second (see metrics.py)."""
+    while True:
+        metrics.refresh()
+        await asyncio.sleep(1.0)
 
 
 STREAM_CLOSE_GRACE = 5.0  # seconds finished streams get to deliver their last message
@@ -334,6 +374,11 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     add_engine_channel_cli(p)
     add_migration_cli(p)
     add_output_window_cli(p)
+    p.add_argument("--reuse-port", action="store_true",
+                   default=env("TANDEM_REUSE_PORT", "0").lower() in ("1", "true", "yes", "on"),
+                   help="Share --port and --http-port with other frontend processes of this user that "
+                        "set it too (SO_REUSEPORT: the kernel spreads connections across them); "
+                        "default off: a port in use fails start-up (env TANDEM_REUSE_PORT).")
     p.set_defaults(handler=run_cli)
 
 
@@ -376,6 +421,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         placement=PlacementConfig(policy=PlacementPolicy(args.placement)),
         migration=migration_config_from_args(args),
         engine_output_window=args.engine_output_window,
+        reuse_port=args.reuse_port,
     )
 
 

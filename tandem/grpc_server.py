@@ -53,13 +53,16 @@ class BindError(OSError):
         self.address = address
 
 
-def server_options(limits: MessageLimits) -> list[tuple[str, Any]]:
+def server_options(limits: MessageLimits, reuse_port: bool = False) -> list[tuple[str, Any]]:
+    """``reuse_port``: share the port with this user's other processes that ask for it
+    too (SO_REUSEPORT; the kernel spreads connections across them): the frontend
+    processes of one ``tandem serve --frontends N``."""
     return [
         ("grpc.max_receive_message_length", limits.max_receive_bytes),
         ("grpc.max_send_message_length", limits.max_send_bytes),
         # grpc's default SO_REUSEPORT lets a second server bind a port already in use and
         # take half its connections; a held port must fail the bind instead.
-        ("grpc.so_reuseport", 0),
+        ("grpc.so_reuseport", 1 if reuse_port else 0),
         # Frontends ping engines every 10 s (engine_client.CHANNEL_OPTIONS); allow that, or
         # the server answers GOAWAY "too_many_pings" after ~30 s idle. (The C-core name of
         # this server option has no "recv" in it.)
@@ -95,12 +98,15 @@ class ServiceServer:
         limits: MessageLimits,
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
         health_port: int = 0,
+        reuse_port: bool = False,
     ) -> None:
         """Binds the ports now (a held port raises ``BindError`` before anything starts).
-        ``health_port``: plain-text grpc.health.v1 on ``host:health_port``; 0: none."""
+        ``health_port``: plain-text grpc.health.v1 on ``host:health_port``; 0: none.
+        ``reuse_port``: the public port is shared (see ``server_options``)."""
         options = server_options(limits)
         self.public = grpc.aio.server(
-            interceptors=[AccessInterceptor(security), *interceptors], options=options
+            interceptors=[AccessInterceptor(security), *interceptors],
+            options=server_options(limits, reuse_port),
         )
         address = f"{host}:{port}"
         self.port = _bind(self.public, address, security.tls.server_credentials(), "public port")

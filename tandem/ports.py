@@ -33,3 +33,10 @@ def ensure_free(host: str, port: int, role: str) -> None:
                 if exc.errno == errno.EADDRNOTAVAIL:
                     continue  # e.g. an IPv6 address on a host without IPv6
                 raise PortInUseError(f"cannot bind {role} {host}:{port}: {exc.strerror}") from None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on at ``host`` now (the OS's pick)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

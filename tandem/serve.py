@@ -13,17 +13,23 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 
 from frontend_service.engine_client import add_output_window_cli
 from frontend_service.migration import add_migration_cli, migration_config_from_args
 from frontend_service.openai import add_http_port_cli
 from tandem import ports, telemetry
+from tandem.argtypes import positive_int
 from tandem.errors import UsageError
 from tandem.grpc_server import BindError
 from tandem.security import EngineChannelSecurity, SecurityConfigError, ServerSecurity, TlsFiles
 from tandem.supervisor import EngineProcess, EngineSupervisor, RestartPolicy
+
+# frontend_service.metrics.MULTIPROC_ENV, set before anything here imports prometheus_client.
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +48,12 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                    help="Local checkpoint directory (env TANDEM_MODEL); default: the demo model.")
     p.add_argument("--engines", type=int, default=int(env("TANDEM_NUM_ENGINES", "1")),
                    help="Number of engine processes (env TANDEM_NUM_ENGINES).")
+    p.add_argument("--frontends", "--api-server-count", dest="frontends", type=positive_int,
+                   default=positive_int(env("TANDEM_FRONTENDS", "1")),
+                   help="Frontend processes sharing --port and --http-port (the kernel spreads client "
+                        "connections across them), each connected to every engine; one Python process "
+                        "cannot keep up with a fast GPU's tokens (env TANDEM_FRONTENDS; vLLM's "
+                        "--api-server-count).")
     p.add_argument("--host", default=env("TANDEM_FRONTEND_HOST", "127.0.0.1"),
                    help="Frontend listen address (env TANDEM_FRONTEND_HOST).")
     p.add_argument("--port", type=int, default=int(env("TANDEM_FRONTEND_PORT", "50051")),
@@ -105,10 +117,40 @@ def engine_env(args: argparse.Namespace) -> dict[str, str]:
             env[name] = value
         else:
             env.pop(name, None)
-    # The frontend's settings: engines run plain text on 127.0.0.1, without an admin port.
-    for name in ("TANDEM_ADMIN_PORT", "TANDEM_TLS_CERT", "TANDEM_TLS_KEY", "TANDEM_TLS_CA"):
+    # The frontend's settings: engines run plain text on 127.0.0.1, without an admin port,
+    # and serve their own metrics.
+    for name in ("TANDEM_ADMIN_PORT", "TANDEM_TLS_CERT", "TANDEM_TLS_KEY", "TANDEM_TLS_CA", MULTIPROC_ENV):
         env.pop(name, None)
     return env
+
+
+def frontend_processes(args: argparse.Namespace, model: str, engines: list[str]) -> list[EngineProcess]:
+    """Frontends 1..N-1 of ``--frontends N`` (frontend 0 runs in this process): the same
+    ports, shared (--reuse-port), no metrics or admin port of their own (frontend 0
+    serves the metrics of all), each with a plain-text health port of its own."""
+    host = "127.0.0.1" if args.host in ("", "0.0.0.0", "::") else args.host
+    env = {**os.environ, "TANDEM_DRAIN_TIMEOUT": str(args.drain_timeout),
+           "TANDEM_REQUEST_MIGRATION": "1" if args.request_migration else "0",
+           "TANDEM_REQUEST_MIGRATION_WAIT": str(args.request_migration_wait),
+           "TANDEM_MAX_REQUEST_MIGRATIONS": str(args.max_request_migrations)}
+    for name, value in (("TANDEM_ADMIN_TOKEN", args.admin_token), ("TANDEM_ENGINE_TOKEN", args.engine_token),
+                        ("TANDEM_TLS_CERT", args.tls_cert), ("TANDEM_TLS_KEY", args.tls_key)):
+        if value:
+            env[name] = value
+        else:
+            env.pop(name, None)
+    targets = [a for address in engines for a in ("--engine", address)]
+    children = []
+    for i in range(1, args.frontends):
+        health_port = ports.free_port(host)
+        argv = [sys.executable, "-m", "tandem.cli", "--log-level", args.log_level, "frontend",
+                "--model", model, *targets, "--host", args.host, "--port", str(args.port),
+                "--http-port", str(args.http_port), "--client-index", str(i), "--reuse-port",
+                "--metrics-port", "0", "--admin-port", "0", "--health-port", str(health_port),
+                "--connect-timeout", str(args.connect_timeout),
+                "--engine-output-window", str(args.engine_output_window)]
+        children.append(EngineProcess(i, f"{host}:{health_port}", argv, env, kind="frontend"))
+    return children
 
 
 def _admin_port(args: argparse.Namespace) -> int:
@@ -146,11 +188,25 @@ def run_cli(args: argparse.Namespace) -> int:
         metrics_port = args.engine_metrics_base_port + i if args.engine_metrics_base_port else 0
         argv = engine_command(model, port, i, extra, threads, metrics_port)
         engines.append(EngineProcess(i, f"{ENGINE_HOST}:{port}", argv, env))
-    supervisor = EngineSupervisor(engines, RestartPolicy(args.restart_backoff, args.restart_backoff_max))
-    return asyncio.run(_serve(args, model, supervisor))
+    policy = RestartPolicy(args.restart_backoff, args.restart_backoff_max)
+    supervisor = EngineSupervisor(engines, policy)
+    if args.frontends == 1:
+        return asyncio.run(_serve(args, model, supervisor, None))
+    # Every frontend process records its metrics in one directory; frontend 0 serves the sum.
+    metrics_dir = tempfile.mkdtemp(prefix="tandem-frontend-metrics-")
+    os.environ[MULTIPROC_ENV] = metrics_dir
+    try:
+        frontends = EngineSupervisor(frontend_processes(args, model, [e.address for e in engines]), policy)
+        return asyncio.run(_serve(args, model, supervisor, frontends))
+    finally:
+        os.environ.pop(MULTIPROC_ENV, None)
+        shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
-async def _serve(args: argparse.Namespace, model: str, supervisor: EngineSupervisor) -> int:
+async def _serve(
+    args: argparse.Namespace, model: str, supervisor: EngineSupervisor, frontends: EngineSupervisor | None
+) -> int:
+    """``frontends``: the extra frontend processes of --frontends N > 1 (None: one)."""
     from frontend_service.server import FrontendConfig, serve_frontend
 
     loop = asyncio.get_running_loop()
@@ -179,21 +235,37 @@ async def _serve(args: argparse.Namespace, model: str, supervisor: EngineSupervi
                                                     admin_token=args.admin_token, admin_port=admin_port),
                             engine_channel=EngineChannelSecurity(engine_token=args.engine_token),
                             drain_timeout=args.drain_timeout, migration=migration_config_from_args(args),
-                            engine_output_window=args.engine_output_window)
+                            engine_output_window=args.engine_output_window, reuse_port=frontends is not None)
     admin = f", admin on 127.0.0.1:{admin_port}" if admin_port else ""
     if args.http_port:
         admin += f", OpenAI-compatible API on http{'s' if args.tls_cert else ''}://{args.host}:{args.http_port}/v1"
     tracing = telemetry.tracing_from_env("tandem-frontend")
     watch: asyncio.Task[None] | None = None
+    watch_frontends: asyncio.Task[None] | None = None
     own_signals()
+    front: asyncio.Future[int] | None = None
+    abort_start = asyncio.Event()
     try:
         supervisor.start()
-        await supervisor.wait_serving(args.connect_timeout)
-        watch = asyncio.create_task(supervisor.watch())
-        print(f"tandem: frontend on {args.host}:{args.port}{admin}, engines on {', '.join(addresses)}",
-              flush=True)
-        # serve_frontend installs its own SIGINT/SIGTERM handlers (its drain) once it serves.
-        rc = await serve_frontend(config, tracing=tracing)
+        if frontends is not None:
+            frontends.start()
+        # The frontends load their tokenizer and bind their ports while the engines load
+        # their models, and connect as soon as the engines answer: SERVING follows the
+        # engines within a fraction of a second. serve_frontend installs its own
+        # SIGINT/SIGTERM handlers (its drain) once it serves.
+        front = asyncio.ensure_future(serve_frontend(config, tracing=tracing, abort_start=abort_start))
+        starting = asyncio.ensure_future(_wait_started(supervisor, frontends, args.connect_timeout))
+        await asyncio.wait([front, starting], return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():  # the frontend ended first (a failed start, or a signal)
+            starting.cancel()
+        else:
+            starting.result()  # an engine that exited during start-up ends serve here
+            watch = asyncio.create_task(supervisor.watch())
+            if frontends is not None:
+                watch_frontends = asyncio.create_task(frontends.watch())
+            print(f"tandem: frontend on {args.host}:{args.port}{admin}, engines on {', '.join(addresses)}",
+                  flush=True)
+        rc = await front
     except asyncio.CancelledError:
         if not signalled:
             raise
@@ -204,14 +276,28 @@ async def _serve(args: argparse.Namespace, model: str, supervisor: EngineSupervi
         rc = 1
     finally:
         stopping = True
+        if front is not None and not front.done():  # an engine failed while it started
+            abort_start.set()
+            with contextlib.suppress(Exception):
+                await front
         with contextlib.suppress(Exception):
             own_signals()  # a second signal during the engines' drain kills them
         if watch is not None:
             watch.cancel()
+        if watch_frontends is not None:
+            watch_frontends.cancel()
         if tracing is not None:
             tracing.shutdown()
+        if frontends is not None:  # they drain their own streams, then the engines go
+            await _stop_engines(frontends, args.drain_timeout + STOP_MARGIN_S)
         await _stop_engines(supervisor, args.drain_timeout + STOP_MARGIN_S)
     return rc
+
+
+async def _wait_started(supervisor: EngineSupervisor, frontends: EngineSupervisor | None, timeout: float) -> None:
+    await supervisor.wait_serving(timeout)
+    if frontends is not None:
+        await frontends.wait_serving(timeout)
 
 
 async def _stop_engines(supervisor: EngineSupervisor, grace_s: float) -> None:

@@ -51,7 +51,10 @@ class RestartPolicy:
 class EngineProcess:
     """One engine subprocess; its stderr is forwarded line by line and its tail kept."""
 
-    def __init__(self, index: int, address: str, argv: Sequence[str], env: Mapping[str, str]) -> None:
+    def __init__(
+        self, index: int, address: str, argv: Sequence[str], env: Mapping[str, str], kind: str = "engine"
+    ) -> None:
+        self.kind = kind  # "engine", or "frontend" for serve's extra frontend processes
         self.index = index
         self.address = address  # HOST:PORT it serves on
         self.argv = list(argv)
@@ -69,7 +72,7 @@ class EngineProcess:
         self.started_at = time.monotonic()
         threading.Thread(target=self._forward, args=(self.proc,), daemon=True,
                          name=f"engine-{self.index}-stderr").start()
-        logger.info("engine %d started (pid %d) on %s", self.index, self.proc.pid, self.address)
+        logger.info("%s %d started (pid %d) on %s", self.kind, self.index, self.proc.pid, self.address)
 
     def _forward(self, proc: subprocess.Popen[bytes]) -> None:
         assert proc.stderr is not None  # set by start()
@@ -77,7 +80,7 @@ class EngineProcess:
             line = raw.decode("utf-8", "replace").rstrip()
             if line:
                 self._tail.append(line)
-            sys.stderr.write(f"[engine {self.index}] {line}\n")
+            sys.stderr.write(f"[{self.kind} {self.index}] {line}\n")
             sys.stderr.flush()
 
     @property
@@ -146,12 +149,12 @@ class EngineSupervisor:
                 code = engine.returncode()
                 if code is not None:
                     raise EngineStartError(
-                        f"engine {engine.index} {engine.exit_reason(code)} (during start-up)"
+                        f"{engine.kind} {engine.index} {engine.exit_reason(code)} (during start-up)"
                     )
                 if await is_serving(engine.address):
                     pending.remove(engine)
             if pending and time.monotonic() > deadline:
-                names = ", ".join(f"engine {e.index} ({e.address})" for e in pending)
+                names = ", ".join(f"{e.kind} {e.index} ({e.address})" for e in pending)
                 raise EngineStartError(f"{names} not SERVING after {timeout:g} s")
             if pending:
                 await asyncio.sleep(_POLL_S)
@@ -163,8 +166,8 @@ class EngineSupervisor:
         tasks: set[asyncio.Task[None]] = set()
 
         async def restart(engine: EngineProcess, code: int, delay: float) -> None:
-            logger.warning("engine %d (pid %s) %s; restarting it in %.1f s",
-                           engine.index, engine.pid, engine.exit_reason(code), delay)
+            logger.warning("%s %d (pid %s) %s; restarting it in %.1f s",
+                           engine.kind, engine.index, engine.pid, engine.exit_reason(code), delay)
             await asyncio.sleep(delay)
             if not self._stopping:
                 engine.start()
@@ -201,5 +204,5 @@ class EngineSupervisor:
         self._stopping = True
         for engine in self.engines:
             if engine.returncode() is None:
-                logger.warning("engine %d (pid %s) did not exit in time; killing it", engine.index, engine.pid)
+                logger.warning("%s %d (pid %s) did not exit in time; killing it", engine.kind, engine.index, engine.pid)
             engine.kill_group()

@@ -30,8 +30,9 @@ class _Server(uvicorn.Server):
         yield  # the frontend owns SIGTERM/SIGINT
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """A listening socket on host:port (SO_REUSEADDR only), or BindError."""
+def bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """A listening socket on host:port (SO_REUSEADDR; SO_REUSEPORT too with
+    ``reuse_port``, shared with the other frontend processes of one serve), or BindError."""
     try:
         infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         family, kind, proto, _, address = infos[0]
@@ -40,6 +41,8 @@ def bind(host: str, port: int) -> socket.socket:
         raise BindError(f"{host}:{port}", "HTTP port") from None
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(address)
         sock.listen(2048)
     except OSError:
@@ -53,8 +56,10 @@ class HttpServer:
     """``start`` binds and serves in the background; ``stop`` closes the port, lets open
     responses finish for up to ``grace`` seconds, then cancels them."""
 
-    def __init__(self, view: FrontendView, host: str, port: int, tls: TlsFiles | None = None) -> None:
-        self.sock = bind(host, port)
+    def __init__(
+        self, view: FrontendView, host: str, port: int, tls: TlsFiles | None = None, reuse_port: bool = False
+    ) -> None:
+        self.sock = bind(host, port, reuse_port)
         self.port: int = self.sock.getsockname()[1]
         self.host = host
         kwargs = {}
