@@ -383,12 +383,15 @@ def main() -> int:
     if args.role == "local":
         return local_main(args)
 
-    from engine_service.make_model import cached_model_dir
     from tandem.protocol.model_config import ModelConfig
 
     if args.smoke:
         args.num_requests, args.concurrency, args.output_range = 16, 8, "8,16"
-    model = args.model or cached_model_dir(args.preset)
+    model = args.model
+    if not model:
+        from engine_service.make_model import cached_model_dir
+
+        model = cached_model_dir(args.preset)
     vocab = ModelConfig.from_pretrained(model).vocab_size
     prange = tuple(int(x) for x in args.prompt_range.split(","))
     orange = tuple(int(x) for x in args.output_range.split(","))

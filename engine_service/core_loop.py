@@ -127,6 +127,8 @@ class EngineCoreLoop:
             target=context.run, args=(self._run,), name="engine-core", daemon=True
         )
         self.dead: EngineDead | None = None
+        # Where outputs go (``set_output_sink``); None: the ``outputs`` queue.
+        self._sink: Callable[[EngineCoreOutputs | EngineDead], None] | None = None
         # Liveness for the watchdog (engine_service/watchdog.py): time.monotonic() of
         # the loop's last iteration, and whether it had unfinished requests then. An
         # idle loop blocks on ``inputs`` without beating; only a busy one must beat.
@@ -136,6 +138,25 @@ class EngineCoreLoop:
 
     def start(self) -> None:
         self._thread.start()
+
+    def set_output_sink(self, sink: Callable[[EngineCoreOutputs | EngineDead], None]) -> None:
+        """From now on the loop thread hands each output to ``sink`` (which must not block:
+        e.g. a ``call_soon_threadsafe``) instead of the ``outputs`` queue, so no reader
+        thread wakes in between. Whatever the queue already held goes to ``sink`` first.
+        Set it before the first request."""
+        self._sink = sink
+        while True:
+            try:
+                sink(self.outputs.get_nowait())
+            except queue.Empty:
+                return
+
+    def _emit(self, item: EngineCoreOutputs | EngineDead) -> None:
+        sink = self._sink
+        if sink is None:
+            self.outputs.put(item)
+        else:
+            sink(item)
 
     # ---- called from I/O threads ---------------------------------------------------
 
@@ -171,7 +192,7 @@ class EngineCoreLoop:
         except Exception as exc:  # the core is broken: report and stop
             logger.error("engine core failed:\n%s", traceback.format_exc())
             self.dead = EngineDead(f"engine core failed: {type(exc).__name__}: {exc}")
-            self.outputs.put(self.dead)
+            self._emit(self.dead)
         finally:
             core.shutdown()
 
@@ -184,12 +205,12 @@ class EngineCoreLoop:
             self._beat(core)
             if core.has_unfinished_requests():
                 self._released = False
-                self.outputs.put(core.step())
+                self._emit(core.step())
                 self._beat(core)  # before it may block: an idle loop is not busy
             else:
                 idle = core.take_abort_outputs()
                 if idle is not None:
-                    self.outputs.put(idle)
+                    self._emit(idle)
 
     def _beat(self, core: EngineCore) -> None:
         self.busy = core.has_unfinished_requests()
@@ -242,12 +263,12 @@ class EngineCoreLoop:
         elif kind is InputType.ABORT:
             core.abort_requests(payload)
         elif kind is InputType.UTILITY:
-            self.outputs.put(
+            self._emit(
                 EngineCoreOutputs(engine_index=core.engine_index, utility_output=self._call(core, payload))
             )
 
     def _reject(self, core: EngineCore, request: EngineCoreRequest, error: RequestError) -> None:
-        self.outputs.put(EngineCoreOutputs.refusal(core.engine_index, request.request_id, error))
+        self._emit(EngineCoreOutputs.refusal(core.engine_index, request.request_id, error))
 
     @staticmethod
     def _call(core: EngineCore, call: UtilityCall) -> UtilityOutput:

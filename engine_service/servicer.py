@@ -12,8 +12,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import queue
-import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -106,6 +104,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
         self._client_ids = itertools.count()
         self._call_ids = itertools.count(1)
         self.aio_loop: asyncio.AbstractEventLoop | None = None
+        self._stats_task: asyncio.Task[None] | None = None
         self.dead: EngineDead | None = None
         self.died = asyncio.Event()
         # Graceful shutdown: once ``draining``, new adds are refused (UNAVAILABLE) and
@@ -127,29 +126,33 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
         if self.dead is not None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, self.dead.message)
 
-    # ---- the output pump (its own thread) -------------------------------------
+    # ---- outputs: from the step thread straight onto the event loop ----------------
 
     def start_pump(self, aio_loop: asyncio.AbstractEventLoop) -> None:
+        """Route the core loop's outputs to this event loop: the step thread schedules
+        each one here and goes on with its next step (no thread in between to wake)."""
         self.aio_loop = aio_loop
-        threading.Thread(target=self._pump, name="engine-output-pump", daemon=True).start()
 
-    def _pump(self) -> None:
-        assert self.aio_loop is not None
-        stats_logger = self.stats_logger
+        def sink(item: EngineCoreOutputs | EngineDead) -> None:
+            with contextlib.suppress(RuntimeError):  # the event loop closed: shutting down
+                aio_loop.call_soon_threadsafe(self._receive, item)
+
+        self.engine_loop.set_output_sink(sink)
+        if self.stats_logger is not None:
+            self._stats_task = aio_loop.create_task(self._log_stats(self.stats_logger))
+
+    def _receive(self, item: EngineCoreOutputs | EngineDead) -> None:
+        if isinstance(item, EngineDead):
+            self._on_dead(item)
+            return
+        self._dispatch(item)
+        self._observe(item)
+
+    async def _log_stats(self, stats_logger: StatsLogger) -> None:
+        """The periodic stats line, also while no step runs."""
         while True:
-            timeout = stats_logger.seconds_until_due() if stats_logger is not None else None
-            try:
-                item = self.engine_loop.outputs.get(timeout=timeout)
-            except queue.Empty:
-                item = None
-            if isinstance(item, EngineDead):
-                self.aio_loop.call_soon_threadsafe(self._on_dead, item)
-                return
-            if item is not None:
-                self.aio_loop.call_soon_threadsafe(self._dispatch, item)
-                self._observe(item)
-            if stats_logger is not None:
-                stats_logger.maybe_log()
+            await asyncio.sleep(max(stats_logger.seconds_until_due(), 0.01))
+            stats_logger.maybe_log()
 
     def _observe(self, outs: EngineCoreOutputs) -> None:
         """Metrics, stats log and request spans of one step (after it went out)."""
@@ -162,7 +165,9 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             if emitter is not None and outs.iteration_stats is not None:
                 for request in outs.iteration_stats.finished:
                     emitter.emit(request)
-        except Exception:  # observability must never stop the pump
+            if self.stats_logger is not None:
+                self.stats_logger.maybe_log()
+        except Exception:  # observability must never stop the outputs
             logger.exception("recording metrics/spans failed")
 
     def _dispatch(self, outs: EngineCoreOutputs) -> None:
