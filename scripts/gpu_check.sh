@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The GPU check of issue 32, one command on a lent GPU machine (set-up included).
+#
+#   bash scripts/gpu_check.sh fetch    # here, once: the cp312 wheels the GPU image lacks -> .gpu-wheels/
+#   bash scripts/gpu_check.sh          # there, with .gpu-wheels carried: installs them, then
+#                                      # the CUDA tests and benchmarks.split_cost on the GPU
+#
+# Results go to $OUT (the device tool's result folder) or /tmp/gpu-check. No network is
+# needed on the GPU machine: pip installs from .gpu-wheels only.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WHEELS=.gpu-wheels
+
+if [[ "${1:-}" == "fetch" ]]; then
+    PY=.venv/bin/python
+    rm -rf "$WHEELS" && mkdir -p "$WHEELS"
+    specs=()
+    while read -r name; do
+        [[ -z "$name" || "$name" == \#* ]] && continue
+        version=$("$PY" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name")
+        specs+=("$name==$version")
+    done < scripts/gpu_wheels.txt
+    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64 --platform any \
+        -d "$WHEELS" "${specs[@]}"
+    du -sh "$WHEELS"
+    exit 0
+fi
+
+OUT=${OUT:-/tmp/gpu-check}
+mkdir -p "$OUT"
+SITE=/tmp/tandem-gpu-site
+start=$(date +%s)
+python3 -m pip install -q --no-deps --no-index --target "$SITE" "$WHEELS"/*.whl
+export PYTHONPATH="$SITE:$PWD" TANDEM_CACHE_DIR=/tmp/tandem-cache HF_HUB_OFFLINE=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" | tee -a "$OUT/gpu.txt"
+echo "set-up: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
+
+# CUDA graphs, the Triton kernels compiled (not interpreted) and greedy parity on the GPU.
+python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_graphs.py tests/test_engine_parity.py \
+    2>&1 | tail -5 | tee "$OUT/tests.txt"
+
+# The split at GPU speed: bench-135m's shape in bf16, 1,024 requests of 64-512 prompt ids and
+# 128-256 output tokens, 4 client processes with 1,024 streams; in-process vs the stack.
+python3 -m benchmarks.split_cost --preset bench-135m --num-requests 1024 --concurrency 1024 \
+    --clients 4 --prompt-range 64,512 --output-range 128,256 --modes delta,final \
+    --engine-args "--device cuda --dtype bfloat16 --max-model-len 1024" --json "$OUT/split.json" \
+    2>&1 | grep -v '^\[engine' | tee "$OUT/split.txt"
+echo "total: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
