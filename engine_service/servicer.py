@@ -412,25 +412,11 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
     ) -> None:
         try:
             async for item in inputs:
-                kind = item.WhichOneof("kind")
-                if kind == "add":
-                    self._add(client, item.add)
-                elif kind == "abort":
-                    ids = [rid for rid in item.abort.request_ids if self.owner.get(rid) == client.client_id]
-                    self.engine_loop.abort_requests(ids)
-                elif kind == "utility":
-                    call_id, method, args = convert.utility_call_from_proto(item.utility)
-                    internal = next(self._call_ids)
-                    self.pending_utility[internal] = (client.client_id, call_id)
-                    self._start_utility_span(internal, method)
-                    self.engine_loop.call_utility(UtilityCall(internal, method, tuple(args)))
-                elif kind == "ack":
-                    self._acknowledged(client, item.ack.count)
-                elif kind == "hello":
-                    client.window = min(item.hello.output_window, MAX_OUTPUT_WINDOW)
-                    if item.hello.tokenizer_fingerprint not in ("", self.fingerprint):
-                        # Frontends check GetEngineInfo first and refuse; this is for other clients.
-                        logger.warning("client %d has a different tokenizer", client.client_id)
+                if item.WhichOneof("kind") == "batch":
+                    for one in item.batch.inputs:
+                        self._apply_input(client, one)
+                else:
+                    self._apply_input(client, item)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -438,6 +424,28 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
         finally:
             # The client half-closed or dropped: end our half too.
             self._send_now(client, None)
+
+    def _apply_input(self, client: _Client, item: engine_pb2.EngineCoreInput) -> None:
+        """One input of ``client``'s stream (a nested batch is ignored)."""
+        kind = item.WhichOneof("kind")
+        if kind == "add":
+            self._add(client, item.add)
+        elif kind == "abort":
+            ids = [rid for rid in item.abort.request_ids if self.owner.get(rid) == client.client_id]
+            self.engine_loop.abort_requests(ids)
+        elif kind == "utility":
+            call_id, method, args = convert.utility_call_from_proto(item.utility)
+            internal = next(self._call_ids)
+            self.pending_utility[internal] = (client.client_id, call_id)
+            self._start_utility_span(internal, method)
+            self.engine_loop.call_utility(UtilityCall(internal, method, tuple(args)))
+        elif kind == "ack":
+            self._acknowledged(client, item.ack.count)
+        elif kind == "hello":
+            client.window = min(item.hello.output_window, MAX_OUTPUT_WINDOW)
+            if item.hello.tokenizer_fingerprint not in ("", self.fingerprint):
+                # Frontends check GetEngineInfo first and refuse; this is for other clients.
+                logger.warning("client %d has a different tokenizer", client.client_id)
 
     def _add(self, client: _Client, msg: engine_pb2.EngineCoreRequest) -> None:
         try:
@@ -495,6 +503,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             dtype=str(cfg.torch_dtype).removeprefix("torch."),
             device=str(cfg.torch_device),
             draining=self.draining,
+            accepts_input_batches=True,
         )
 
     async def ResetPrefixCache(

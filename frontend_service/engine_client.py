@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from tandem.argtypes import non_negative_int
+from tandem.argtypes import non_negative_float, non_negative_int
 from tandem.protocol import convert
 from tandem.protocol.outputs import EngineCoreOutputs, EngineCoreRequest, UtilityOutput
 from tandem.security import EngineChannelSecurity
@@ -86,15 +86,50 @@ RECONNECT_MAX_DELAY = 5.0  # seconds between attempts to reach a dead engine, at
 OUTPUT_WINDOW = 2
 
 
-def add_output_window_cli(parser: Any) -> None:
+@dataclass(frozen=True)
+class OutputFlow:
+    """How an engine's outputs flow to this frontend (each is a flag and an env var)."""
+
+    # Hello.output_window: unacknowledged output messages in flight before the engine
+    # merges its later steps; 0: one message per step, no flow control.
+    window: int = OUTPUT_WINDOW
+    # With a window: at least this many seconds between two acknowledgements, so at most
+    # about one output message per interval and engine, each stream's tokens of the
+    # interval in one client message. Trades up to this much latency per token for
+    # fewer messages (less CPU per token) at GPU speed; 0: as fast as they are handed out.
+    interval_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.window < 0:
+            raise ValueError(f"the output window must be >= 0, got {self.window}")
+        if not self.interval_s >= 0:
+            raise ValueError(f"the output interval must be >= 0 s, got {self.interval_s}")
+
+
+def add_output_flow_cli(parser: Any) -> None:
+    env = os.environ.get
     parser.add_argument(
         "--engine-output-window", type=non_negative_int,
-        default=non_negative_int(os.environ.get("TANDEM_ENGINE_OUTPUT_WINDOW", str(OUTPUT_WINDOW))),
+        default=non_negative_int(env("TANDEM_ENGINE_OUTPUT_WINDOW", str(OUTPUT_WINDOW))),
         help="Output messages each engine may have in flight to this frontend before it merges "
         "its later steps into one (flow control: a frontend that falls behind gets fewer, larger "
         f"messages); 0: one message per step, no flow control (env TANDEM_ENGINE_OUTPUT_WINDOW; "
         f"default {OUTPUT_WINDOW}).",
     )
+    parser.add_argument(
+        "--engine-output-interval-ms", type=non_negative_float,
+        default=non_negative_float(env("TANDEM_ENGINE_OUTPUT_INTERVAL_MS", "0")),
+        help="At least this many ms between two output messages of an engine (with a window): "
+        "the steps in between reach each stream as one message. Up to this much more latency "
+        "per token for fewer messages, i.e. less CPU per token at GPU speed; 0: none (env "
+        "TANDEM_ENGINE_OUTPUT_INTERVAL_MS; default 0).",
+    )
+
+
+def output_flow_from_args(args: Any) -> OutputFlow:
+    return OutputFlow(args.engine_output_window, args.engine_output_interval_ms / 1000.0)
+
+
 # A stream that has not written its share of an output message within this many
 # seconds (a client that stopped reading) no longer holds up the acknowledgement.
 ROUND_TIMEOUT_S = 0.05
@@ -148,11 +183,9 @@ class EngineConnection:
         on_dead: DeadHandler,
         on_alive: AliveHandler | None = None,
         channel: EngineChannelSecurity | None = None,
-        output_window: int = OUTPUT_WINDOW,
+        output_flow: OutputFlow | None = None,
     ) -> None:
-        if output_window < 0:
-            raise ValueError(f"output_window must be >= 0, got {output_window}")
-        self.output_window = output_window
+        self.output_flow = output_flow or OutputFlow()
         self.address = address
         self.index = index
         self.client_index = client_index
@@ -206,26 +239,63 @@ class EngineConnection:
     async def open(self, tokenizer_fingerprint: str) -> None:
         """Start the stream; the first message says who we are."""
         self._fingerprint = tokenizer_fingerprint
-        await self._send.put(convert.hello_input(self.client_index, tokenizer_fingerprint, self.output_window))
+        await self._send.put(convert.hello_input(self.client_index, tokenizer_fingerprint, self.output_flow.window))
         call = self.stub.Stream(self._inputs())
         self.alive = True
         self._reader = asyncio.ensure_future(self._read(call))
 
     async def _inputs(self):  # type: ignore[no-untyped-def]
+        """The stream's requests: what queued up while the previous message was being
+        written goes as one InputBatch (acknowledgements summed), to engines that read
+        batches; 1,024 requests arriving at once are a handful of writes, not 1,024."""
+        batches = self.info is not None and self.info.accepts_input_batches
         while True:
             item = await self._send.get()
             if item is None:
                 return
-            yield item
+            if not batches or self._send.empty():
+                yield item
+                continue
+            inputs, acks, end = [item], 0, False
+            while not self._send.empty():
+                more = self._send.get_nowait()
+                if more is None:
+                    end = True
+                    break
+                inputs.append(more)
+            kept = []
+            for one in inputs:
+                if one.WhichOneof("kind") == "ack":
+                    acks += one.ack.count
+                else:
+                    kept.append(one)
+            if acks:
+                kept.append(convert.ack_input(acks))
+            yield kept[0] if len(kept) == 1 else convert.batch_input(kept)
+            if end:
+                return
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> None:
         reason = "the engine closed the stream"
         ack = convert.ack_input(1)
         loop = asyncio.get_running_loop()
 
-        def acknowledge() -> None:
-            if self.alive and self.output_window:
+        interval = self.output_flow.interval_s
+        last_ack = [0.0]
+
+        def send_ack() -> None:
+            if self.alive:
+                last_ack[0] = loop.time()
                 self._send.put_nowait(ack)
+
+        def acknowledge() -> None:
+            if not self.output_flow.window:
+                return
+            due = last_ack[0] + interval
+            if interval and due > loop.time():
+                loop.call_at(due, send_ack)
+            else:
+                send_ack()
         try:
             async for msg in call:
                 try:

@@ -35,11 +35,11 @@ from frontend_service.discovery import (
     parse_target,
 )
 from frontend_service.engine_client import (
-    OUTPUT_WINDOW,
     AliveHandler,
     DeadHandler,
     EngineConnection,
     EngineUnavailableError,
+    OutputFlow,
     OutputsHandler,
     TokenizerMismatchError,
 )
@@ -104,7 +104,7 @@ class EngineGroup:
         on_leave: MemberHandler | None = None,
         on_change: Callable[[], None] | None = None,
         channel: EngineChannelSecurity | None = None,
-        output_window: int = OUTPUT_WINDOW,
+        output_flow: OutputFlow | None = None,
     ) -> None:
         """``on_join``/``on_leave``: a member starts/stops taking requests for good;
         ``on_change``: the set of placeable engines may have changed (health, metrics);
@@ -118,7 +118,7 @@ class EngineGroup:
         self.discovery_interval = discovery_interval
         self.placement = Placement(placement)
         self.channel = channel or EngineChannelSecurity()
-        self.output_window = output_window  # Hello.output_window of every member
+        self.output_flow = output_flow or OutputFlow()  # of every member
         self._on_outputs = on_outputs
         self._on_dead = on_dead
         self._on_alive = on_alive
@@ -202,7 +202,7 @@ class EngineGroup:
     def _new_member(self, address: str) -> EngineConnection:
         engine = EngineConnection(
             address, self._next_index, self.client_index, self._on_outputs, self._on_dead,
-            self._engine_back, self.channel, self.output_window,
+            self._engine_back, self.channel, self.output_flow,
         )
         self._next_index += 1
         self._members[address] = engine

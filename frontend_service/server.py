@@ -23,11 +23,12 @@ from frontend_service.admission import DEFAULT_MAX_PENDING_REQUESTS, PendingLimi
 from frontend_service.async_llm import AsyncLLM
 from frontend_service.discovery import InvalidTargetError, parse_target
 from frontend_service.engine_client import (
-    OUTPUT_WINDOW,
     EngineConnection,
     EngineUnavailableError,
+    OutputFlow,
     TokenizerMismatchError,
-    add_output_window_cli,
+    add_output_flow_cli,
+    output_flow_from_args,
 )
 from frontend_service.engine_group import DEFAULT_DISCOVERY_INTERVAL, EngineGroup
 from frontend_service.input_processor import InputProcessor
@@ -95,9 +96,8 @@ class FrontendConfig:
     discovery_interval: float = DEFAULT_DISCOVERY_INTERVAL  # seconds between dns:/// and file:/// lookups
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     migration: MigrationConfig = field(default_factory=MigrationConfig)  # requests of a lost engine
-    # Hello.output_window: engine output messages in flight before the engine merges
-    # its later steps (flow control); 0: one message per step.
-    engine_output_window: int = OUTPUT_WINDOW
+    # Flow control of the engines' outputs: window and interval (engine_client.OutputFlow).
+    engine_output: OutputFlow = field(default_factory=OutputFlow)
     # Share --port and --http-port with this user's other frontend processes
     # (SO_REUSEPORT; the kernel spreads connections across them): ``tandem serve
     # --frontends N`` starts them so.
@@ -197,7 +197,7 @@ async def _serve_frontend(
         config.engines, config.client_index, on_outputs, on_dead, on_alive,
         discovery_interval=config.discovery_interval, placement=config.placement,
         on_join=on_join, on_leave=on_leave, on_change=on_change, channel=config.engine_channel,
-        output_window=config.engine_output_window,
+        output_flow=config.engine_output,
     )
     admin_servicer = admin.FrontendAdminServicer(group)
     frontend_pb2_grpc.add_FrontendAdminServicer_to_server(admin_servicer, server)
@@ -373,7 +373,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     add_server_security_cli(p, engine=False)
     add_engine_channel_cli(p)
     add_migration_cli(p)
-    add_output_window_cli(p)
+    add_output_flow_cli(p)
     p.add_argument("--reuse-port", action="store_true",
                    default=env("TANDEM_REUSE_PORT", "0").lower() in ("1", "true", "yes", "on"),
                    help="Share --port and --http-port with other frontend processes of this user that "
@@ -420,7 +420,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         discovery_interval=args.discovery_interval,
         placement=PlacementConfig(policy=PlacementPolicy(args.placement)),
         migration=migration_config_from_args(args),
-        engine_output_window=args.engine_output_window,
+        engine_output=output_flow_from_args(args),
         reuse_port=args.reuse_port,
     )
 

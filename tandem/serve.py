@@ -18,7 +18,7 @@ import signal
 import sys
 import tempfile
 
-from frontend_service.engine_client import add_output_window_cli
+from frontend_service.engine_client import add_output_flow_cli, output_flow_from_args
 from frontend_service.migration import add_migration_cli, migration_config_from_args
 from frontend_service.openai import add_http_port_cli
 from tandem import ports, telemetry
@@ -74,7 +74,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     telemetry.add_metrics_cli(p, default_port=8000)
     add_http_port_cli(p)
     add_migration_cli(p)
-    add_output_window_cli(p)
+    add_output_flow_cli(p)
     p.add_argument("--engine-metrics-base-port", type=int,
                    default=int(env("TANDEM_ENGINE_METRICS_BASE_PORT", "8001")),
                    help="Engine i serves /metrics on this port + i; 0: off "
@@ -148,7 +148,8 @@ def frontend_processes(args: argparse.Namespace, model: str, engines: list[str])
                 "--http-port", str(args.http_port), "--client-index", str(i), "--reuse-port",
                 "--metrics-port", "0", "--admin-port", "0", "--health-port", str(health_port),
                 "--connect-timeout", str(args.connect_timeout),
-                "--engine-output-window", str(args.engine_output_window)]
+                "--engine-output-window", str(args.engine_output_window),
+                "--engine-output-interval-ms", str(args.engine_output_interval_ms)]
         children.append(EngineProcess(i, f"{host}:{health_port}", argv, env, kind="frontend"))
     return children
 
@@ -235,7 +236,7 @@ async def _serve(
                                                     admin_token=args.admin_token, admin_port=admin_port),
                             engine_channel=EngineChannelSecurity(engine_token=args.engine_token),
                             drain_timeout=args.drain_timeout, migration=migration_config_from_args(args),
-                            engine_output_window=args.engine_output_window, reuse_port=frontends is not None)
+                            engine_output=output_flow_from_args(args), reuse_port=frontends is not None)
     admin = f", admin on 127.0.0.1:{admin_port}" if admin_port else ""
     if args.http_port:
         admin += f", OpenAI-compatible API on http{'s' if args.tls_cert else ''}://{args.host}:{args.http_port}/v1"

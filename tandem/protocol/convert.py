@@ -369,6 +369,10 @@ def ack_input(count: int = 1) -> engine_pb2.EngineCoreInput:
     return engine_pb2.EngineCoreInput(ack=engine_pb2.OutputsAck(count=count))
 
 
+def batch_input(inputs: Sequence[engine_pb2.EngineCoreInput]) -> engine_pb2.EngineCoreInput:
+    return engine_pb2.EngineCoreInput(batch=engine_pb2.InputBatch(inputs=inputs))
+
+
 def add_input(
     req: EngineCoreRequest, data_parallel_rank: int | None = None
 ) -> engine_pb2.EngineCoreInput:

@@ -117,18 +117,26 @@ class OutputsAck(_message.Message):
     def __init__(self, count: _Optional[int] = ...) -> None: ...
 
 class EngineCoreInput(_message.Message):
-    __slots__ = ("add", "abort", "utility", "hello", "ack")
+    __slots__ = ("add", "abort", "utility", "hello", "ack", "batch")
     ADD_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
     UTILITY_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     add: EngineCoreRequest
     abort: AbortRequests
     utility: UtilityCall
     hello: Hello
     ack: OutputsAck
-    def __init__(self, add: _Optional[_Union[EngineCoreRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequests, _Mapping]] = ..., utility: _Optional[_Union[UtilityCall, _Mapping]] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., ack: _Optional[_Union[OutputsAck, _Mapping]] = ...) -> None: ...
+    batch: InputBatch
+    def __init__(self, add: _Optional[_Union[EngineCoreRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequests, _Mapping]] = ..., utility: _Optional[_Union[UtilityCall, _Mapping]] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., ack: _Optional[_Union[OutputsAck, _Mapping]] = ..., batch: _Optional[_Union[InputBatch, _Mapping]] = ...) -> None: ...
+
+class InputBatch(_message.Message):
+    __slots__ = ("inputs",)
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    inputs: _containers.RepeatedCompositeFieldContainer[EngineCoreInput]
+    def __init__(self, inputs: _Optional[_Iterable[_Union[EngineCoreInput, _Mapping]]] = ...) -> None: ...
 
 class EngineCoreOutput(_message.Message):
     __slots__ = ("request_id", "new_token_ids", "new_logprobs", "new_prompt_logprobs", "finish_reason", "stop_token_id", "stop_str", "num_cached_tokens", "trace_headers", "error", "pooling_output")
@@ -240,7 +248,7 @@ class GetEngineInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetEngineInfoResponse(_message.Message):
-    __slots__ = ("engine_index", "architecture", "model", "served_model_name", "max_model_len", "vocab_size", "block_size", "num_kv_blocks", "num_free_blocks", "num_running_reqs", "num_waiting_reqs", "tokenizer_fingerprint", "max_logprobs", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "dtype", "device", "draining")
+    __slots__ = ("engine_index", "architecture", "model", "served_model_name", "max_model_len", "vocab_size", "block_size", "num_kv_blocks", "num_free_blocks", "num_running_reqs", "num_waiting_reqs", "tokenizer_fingerprint", "max_logprobs", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "dtype", "device", "draining", "accepts_input_batches")
     ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -260,6 +268,7 @@ class GetEngineInfoResponse(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_INPUT_BATCHES_FIELD_NUMBER: _ClassVar[int]
     engine_index: int
     architecture: str
     model: str
@@ -279,7 +288,8 @@ class GetEngineInfoResponse(_message.Message):
     dtype: str
     device: str
     draining: bool
-    def __init__(self, engine_index: _Optional[int] = ..., architecture: _Optional[str] = ..., model: _Optional[str] = ..., served_model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
+    accepts_input_batches: bool
+    def __init__(self, engine_index: _Optional[int] = ..., architecture: _Optional[str] = ..., model: _Optional[str] = ..., served_model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., draining: _Optional[bool] = ..., accepts_input_batches: _Optional[bool] = ...) -> None: ...
 
 class ResetPrefixCacheRequest(_message.Message):
     __slots__ = ()
