@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from benchmarks.split_cost import cmdline, descendants
 from tandem.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 from tests.e2e_helpers import (
     ENGINE_ARGS,
@@ -28,26 +29,8 @@ CALL_TIMEOUT = 120.0
 NUM_CALLS = 8
 
 
-def _descendants(pid: int) -> list[int]:
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        try:
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                kids = [int(c) for c in f.read().split()]
-        except OSError:
-            kids = []
-        out += kids
-        todo += kids
-    return out
-
-
 def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
+    return " ".join(cmdline(pid))
 
 
 def _generate(address: str, prompt: list[int]) -> list[int]:
@@ -111,7 +94,7 @@ def two_frontends(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory)
 
 def test_two_frontends_answer_every_stream_alike(two_frontends, tiny_llama_dir: str) -> None:  # type: ignore[no-untyped-def]
     proc, port, http_port, metrics_port, _ = two_frontends
-    children = [_cmdline(p) for p in _descendants(proc.pid)]
+    children = [_cmdline(p) for p in descendants(proc.pid)]
     assert sum(" frontend " in c and "--reuse-port" in c for c in children) == 1, children
     prompts = [[5 + i, 6, 7, 8, 9 + i] for i in range(NUM_CALLS // 2)] * 2
     outputs = [_generate(f"127.0.0.1:{port}", p) for p in prompts]
@@ -147,7 +130,7 @@ def test_stopping_serve_stops_every_frontend(tiny_llama_dir: str, tmp_path: Path
     log = tmp_path / "serve.log"
     proc, port, _, _ = _serve(tiny_llama_dir, 2, log)
     _wait_serving(f"127.0.0.1:{port}", proc, log)
-    children = _descendants(proc.pid)
+    children = descendants(proc.pid)
     assert len(children) >= 2  # an engine and a frontend
     proc.terminate()
     assert proc.wait(90) == 0, log.read_text(errors="replace")[-3000:]
