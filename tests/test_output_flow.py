@@ -168,3 +168,37 @@ def test_a_frontend_that_falls_behind_gets_merged_steps_with_the_same_tokens(eng
     # as one message.
     assert max(merged_steps) > 1, merged_steps
     assert len(merged_steps) < len(plain_steps)
+
+
+def test_inputs_sent_as_one_batch_are_applied_in_order(engine: str) -> None:
+    """A frontend sends what queued up as one InputBatch: hello, adds and an abort of one
+    of them, in that order; the engine says it reads batches."""
+    with grpc.insecure_channel(engine) as channel:
+        stub = engine_pb2_grpc.EngineCoreStub(channel)
+        assert stub.GetEngineInfo(engine_pb2.GetEngineInfoRequest(), timeout=CALL_TIMEOUT).accepts_input_batches
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        adds = [convert.add_input(EngineCoreRequest(f"batch-{i}", [5 + i, 6, 7], params)) for i in range(3)]
+        batch = convert.batch_input(
+            [convert.hello_input(8, output_window=2), *adds, convert.abort_input(["batch-1"])]
+        )
+        inputs: queue.Queue[engine_pb2.EngineCoreInput | None] = queue.Queue()
+        inputs.put(batch)
+
+        def feed() -> Iterator[engine_pb2.EngineCoreInput]:
+            while (item := inputs.get()) is not None:
+                yield item
+
+        steps = []
+        call = stub.Stream(feed(), timeout=CALL_TIMEOUT)
+        try:
+            for msg in call:
+                steps.append(convert.engine_core_outputs_from_proto(msg))
+                inputs.put(convert.ack_input(1))
+                if len(_replay(steps)[1]) == 3:
+                    break
+        finally:
+            inputs.put(None)
+            call.cancel()
+    tokens, finished = _replay(steps)
+    assert finished == {"batch-0": FinishReason.LENGTH, "batch-1": FinishReason.ABORT, "batch-2": FinishReason.LENGTH}
+    assert len(tokens["batch-0"]) == len(tokens["batch-2"]) == 8
