@@ -160,7 +160,9 @@ class AsyncLLM(EngineUtilities, Pooling, Sessions, Migration, RequestControl, Re
                 stream.got_output = True
                 stream.finished = request_output.finished
                 stream.queue.put_nowait(request_output)
-                if outputs_round is not None:
+                # A stream still writing an earlier round's output (a client that reads
+                # slowly) does not hold up this one: its outputs merge in its queue.
+                if outputs_round is not None and not stream.rounds:
                     outputs_round.join()
                     stream.rounds.append(outputs_round)
         if processed.reqs_to_abort:

@@ -71,9 +71,14 @@ def test_screened_argmax_is_the_float32_argmax_on_ties_and_near_ties() -> None:
         assert undecided == 0, (n, k, m)
         want = panel_linear_argmax(x, exact, None)
         assert torch.equal(tokens, want), (n, k, m, tokens, want)
+        # Equal weight rows score the same bit for bit only where the kernel sums them in
+        # the same order: on AVX-512 a column's lane position in its tile can change the
+        # last bit. Among the tied columns that do score the maximum, the first wins.
+        logits = panel_linear(x, exact, None)
         for r, (c0, c1, c2) in enumerate(cols):
             if r % 2 == 0:
-                assert int(tokens[r]) == min(c0, c1, c2)
+                best = max(float(logits[r, c]) for c in (c0, c1, c2))
+                assert int(tokens[r]) == min(c for c in (c0, c1, c2) if float(logits[r, c]) == best)
 
 
 def test_screened_argmax_is_the_float32_argmax_on_random_rows() -> None:

@@ -140,3 +140,34 @@ def test_a_by_name_adapter_request_reaches_the_engine_whole(tokenizer: Any) -> N
 
     request = asyncio.run(scenario())
     assert request.lora_request == LoRARequest("sql", 3, "/adapters/sql")
+
+
+def test_a_stream_behind_on_its_writes_holds_up_one_round_only(tokenizer: Any) -> None:
+    """The engine's next message waits for the streams a message woke, but a stream that
+    has not written an earlier output yet (its client reads slowly) joins no later round."""
+    from frontend_service.engine_client import OutputsRound
+
+    async def scenario() -> tuple[int, int, bool]:
+        llm, engine = _llm(tokenizer)
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        stream = llm.generate(params, prompt_token_ids=[5, 6, 7], request_id="slow")
+        first = asyncio.ensure_future(anext(stream))  # the reader takes one output, then stops
+        await asyncio.sleep(0)
+        rid = engine.added[0].request_id
+        rounds = []
+        for token in (11, 12, 13):
+            engine.outputs_round = OutputsRound()  # type: ignore[attr-defined]
+            llm.on_engine_outputs(engine, _step(rid, token))  # type: ignore[arg-type]
+            rounds.append(engine.outputs_round)  # type: ignore[attr-defined]
+            await asyncio.sleep(0)
+        await first  # handed out; its write has not completed (the reader stopped)
+        later_pending = sum(r.pending for r in rounds[1:])
+        done = []
+        for r in rounds:
+            r.start(lambda: done.append(True), asyncio.get_running_loop())
+        await stream.aclose()  # leaves its round
+        return rounds[0].pending, later_pending, len(done) == 3
+
+    first_pending, later_pending, all_done = asyncio.run(scenario())
+    assert later_pending == 0  # the rounds after the first never waited for the slow stream
+    assert first_pending == 0 and all_done  # and the first is released when it goes away
