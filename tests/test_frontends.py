@@ -19,9 +19,9 @@ from tandem.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 from tests.e2e_helpers import (
     ENGINE_ARGS,
     START_TIMEOUT,
+    ServiceProcess,
     child_env,
     free_port,
-    launch,
     tandem_command,
 )
 
@@ -47,31 +47,15 @@ def _generate(address: str, prompt: list[int]) -> list[int]:
         return [t for r in stub.Generate(request, timeout=CALL_TIMEOUT) for t in r.outputs[0].token_ids]
 
 
-def _serve(model: str, frontends: int, log: Path) -> tuple[subprocess.Popen[bytes], int, int, int]:
+def _serve(model: str, frontends: int, log_dir: Path) -> tuple[ServiceProcess, int, int]:
+    """``tandem serve --frontends N``, SERVING: the process, its HTTP and metrics ports."""
     port, http_port, metrics_port = free_port(), free_port(), free_port()
     args = ["serve", "--model", model, "--frontends", str(frontends), "--port", str(port),
             "--http-port", str(http_port), "--metrics-port", str(metrics_port), "--admin-port", "0",
             "--engine-base-port", str(free_port()), "--engine-metrics-base-port", "0", "--", *ENGINE_ARGS]
-    with open(log, "wb") as out:
-        proc = launch(tandem_command(*args), env=child_env(), stdout=out, stderr=subprocess.STDOUT)
-    return proc, port, http_port, metrics_port
-
-
-def _wait_serving(address: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.monotonic() + 2 * START_TIMEOUT
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    raise AssertionError("serve not SERVING: " + log.read_text(errors="replace")[-3000:])
+    serve = ServiceProcess.spawn("serve", args, f"127.0.0.1:{port}", log_dir)
+    serve.wait_serving(2 * START_TIMEOUT)
+    return serve, http_port, metrics_port
 
 
 def _metric(port: int, name: str) -> float:
@@ -81,23 +65,19 @@ def _metric(port: int, name: str) -> float:
 
 @pytest.fixture(scope="module")
 def two_frontends(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    log = tmp_path_factory.mktemp("frontends") / "serve.log"
-    proc, port, http_port, metrics_port = _serve(tiny_llama_dir, 2, log)
+    serve, http_port, metrics_port = _serve(tiny_llama_dir, 2, tmp_path_factory.mktemp("frontends"))
     try:
-        _wait_serving(f"127.0.0.1:{port}", proc, log)
-        yield proc, port, http_port, metrics_port, log
+        yield serve, http_port, metrics_port
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(90)
+        serve.stop(timeout=90)
 
 
 def test_two_frontends_answer_every_stream_alike(two_frontends, tiny_llama_dir: str) -> None:  # type: ignore[no-untyped-def]
-    proc, port, http_port, metrics_port, _ = two_frontends
-    children = [_cmdline(p) for p in descendants(proc.pid)]
+    serve, http_port, metrics_port = two_frontends
+    children = [_cmdline(p) for p in descendants(serve.proc.pid)]
     assert sum(" frontend " in c and "--reuse-port" in c for c in children) == 1, children
     prompts = [[5 + i, 6, 7, 8, 9 + i] for i in range(NUM_CALLS // 2)] * 2
-    outputs = [_generate(f"127.0.0.1:{port}", p) for p in prompts]
+    outputs = [_generate(serve.address, p) for p in prompts]
     half = NUM_CALLS // 2
     assert outputs[:half] == outputs[half:]  # the same prompt, the same tokens, whichever frontend
     assert all(len(o) == 12 for o in outputs)
@@ -117,22 +97,21 @@ def test_two_frontends_answer_every_stream_alike(two_frontends, tiny_llama_dir: 
 
 
 def test_a_second_serve_on_the_same_port_is_refused(two_frontends, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    _, port, _, _, _ = two_frontends
+    serve, _, _ = two_frontends
+    port = serve.address.rsplit(":", 1)[1]
     result = subprocess.run(
         tandem_command("serve", "--port", str(port), "--frontends", "2", "--http-port", "0"),
         env=child_env(), capture_output=True, text=True, timeout=60,
     )
     assert result.returncode != 0
-    assert str(port) in result.stderr
+    assert port in result.stderr
 
 
 def test_stopping_serve_stops_every_frontend(tiny_llama_dir: str, tmp_path: Path) -> None:
-    log = tmp_path / "serve.log"
-    proc, port, _, _ = _serve(tiny_llama_dir, 2, log)
-    _wait_serving(f"127.0.0.1:{port}", proc, log)
-    children = descendants(proc.pid)
+    serve, _, _ = _serve(tiny_llama_dir, 2, tmp_path)
+    children = descendants(serve.proc.pid)
     assert len(children) >= 2  # an engine and a frontend
-    proc.terminate()
-    assert proc.wait(90) == 0, log.read_text(errors="replace")[-3000:]
+    serve.proc.terminate()
+    assert serve.proc.wait(90) == 0, serve.log_tail()
     time.sleep(0.5)
     assert [p for p in children if os.path.exists(f"/proc/{p}") and _cmdline(p)] == []
