@@ -109,14 +109,20 @@ def engine_command(
     return cmd + extra
 
 
-def engine_env(args: argparse.Namespace) -> dict[str, str]:
-    """The engines' environment: tokens travel here, not in argv (visible to every user)."""
-    env = {**os.environ, "TANDEM_DRAIN_TIMEOUT": str(args.drain_timeout)}
-    for name, value in (("TANDEM_ADMIN_TOKEN", args.admin_token), ("TANDEM_ENGINE_TOKEN", args.engine_token)):
+def _set_or_drop(env: dict[str, str], **values: str) -> None:
+    """Each variable set to its value, or removed where the value is empty (so a child
+    never inherits one that serve's own flags cleared)."""
+    for name, value in values.items():
         if value:
             env[name] = value
         else:
             env.pop(name, None)
+
+
+def engine_env(args: argparse.Namespace) -> dict[str, str]:
+    """The engines' environment: tokens travel here, not in argv (visible to every user)."""
+    env = {**os.environ, "TANDEM_DRAIN_TIMEOUT": str(args.drain_timeout)}
+    _set_or_drop(env, TANDEM_ADMIN_TOKEN=args.admin_token, TANDEM_ENGINE_TOKEN=args.engine_token)
     # The frontend's settings: engines run plain text on 127.0.0.1, without an admin port,
     # and serve their own metrics.
     for name in ("TANDEM_ADMIN_PORT", "TANDEM_TLS_CERT", "TANDEM_TLS_KEY", "TANDEM_TLS_CA", MULTIPROC_ENV):
@@ -133,12 +139,8 @@ def frontend_processes(args: argparse.Namespace, model: str, engines: list[str])
            "TANDEM_REQUEST_MIGRATION": "1" if args.request_migration else "0",
            "TANDEM_REQUEST_MIGRATION_WAIT": str(args.request_migration_wait),
            "TANDEM_MAX_REQUEST_MIGRATIONS": str(args.max_request_migrations)}
-    for name, value in (("TANDEM_ADMIN_TOKEN", args.admin_token), ("TANDEM_ENGINE_TOKEN", args.engine_token),
-                        ("TANDEM_TLS_CERT", args.tls_cert), ("TANDEM_TLS_KEY", args.tls_key)):
-        if value:
-            env[name] = value
-        else:
-            env.pop(name, None)
+    _set_or_drop(env, TANDEM_ADMIN_TOKEN=args.admin_token, TANDEM_ENGINE_TOKEN=args.engine_token,
+                 TANDEM_TLS_CERT=args.tls_cert, TANDEM_TLS_KEY=args.tls_key)
     targets = [a for address in engines for a in ("--engine", address)]
     children = []
     for i in range(1, args.frontends):
