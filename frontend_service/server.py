@@ -215,16 +215,16 @@ async def _serve_frontend(
         except BaseException:
             await server.stop(0)
             raise
-    await server.start()  # every servicer registered first: gRPC takes none once started
-    if http is not None:
-        http.start()  # answers 503 until the engines are connected
+    if not config.reuse_port:  # answers UNAVAILABLE / 503 until the engines are connected
+        await _start_serving(server, http)
     try:
         info = await _unless(group.connect(fingerprint, config.connect_timeout), abort_start)
     except BaseException:
         # Unreachable or mismatched engines: close the ports before giving up.
-        if http is not None:
-            await http.stop(0)
-        await server.stop(0)
+        if not config.reuse_port:
+            if http is not None:
+                await http.stop(0)
+            await server.stop(0)
         await group.close()
         raise
     eos = tokenizer.eos_token_id
@@ -243,6 +243,10 @@ async def _serve_frontend(
     await llm.loras.refresh()  # the engines' --lora-modules, selectable by name
     admin_servicer.llm = llm
     servicer.attach(llm, model_name, info)
+    if config.reuse_port:
+        # A port shared with other frontend processes: the kernel hands this process
+        # connections as soon as it serves, so it serves once it can answer them.
+        await _start_serving(server, http)
     admin_servicer.llm = llm
     signals = StopSignals().install()
     if metrics is not None and multiprocess():
@@ -262,6 +266,12 @@ async def _serve_frontend(
     await server.stop(STREAM_CLOSE_GRACE)
     await group.close()
     return 0
+
+
+async def _start_serving(server: ServiceServer, http: Any) -> None:
+    await server.start()  # every servicer registered first: gRPC takes none once started
+    if http is not None:
+        http.start()
 
 
 async def _unless(work: Awaitable[T], abort: asyncio.Event | None) -> T:
