@@ -37,6 +37,7 @@ from engine_service.request import Request
 from engine_service.scheduler import Scheduler, SchedulerOutput
 from engine_service.sessions import Sessions
 from engine_service.sleep_mode import SleepMode
+from engine_service.step_observer import StepObserver
 from engine_service.structured_output import StructuredOutputManager
 from engine_service.validation import RequestValidation
 from kernels.dispatch import get_ops
@@ -46,7 +47,6 @@ from tandem.protocol.outputs import (
     EngineCoreOutputs,
     EngineCoreRequest,
     ErrorCode,
-    FinishReason,
     IterationStats,
     RequestError,
     TokenColumns,
@@ -54,9 +54,6 @@ from tandem.protocol.outputs import (
 from tandem.protocol.sampling_params import InvalidRequestError
 
 logger = logging.getLogger(__name__)
-
-# How long an otherwise idle step waits for a constraint being compiled.
-_COMPILE_POLL_S = 0.005
 
 
 class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
@@ -154,10 +151,9 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
             config, self.model, self.model_config, kv_caches, self.kv_manager, self.structured, self.lora,
             self.executor, max_blocks_per_seq=-(-self.max_model_len // config.block_size),
         )
-        # Requests ended outside a step's forward pass (aborts, expired deadlines): the
-        # next outputs report them.
-        self._aborted: list[Request] = []
+        self.scheduler.pre_schedule_hooks.append(self.structured.end_failed)
         self.admission = AdmissionController(self._admission_limits())
+        self.observer = StepObserver(self.scheduler, self.admission.drain_rate)
         self.sleep_level = 0  # 0: awake; 1: KV cache released; 2: weights released too
         self.profiler = Profiler(config.profiler_dir, engine_index)
         if config.torch_device.type == "cuda" and config.resolved_attention_backend == "triton":
@@ -337,7 +333,7 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Abort requests in any state; their blocks are free on return."""
-        self._aborted.extend(self.scheduler.finish_requests(list(request_ids), FinishReason.ABORT))
+        self.scheduler.abort(list(request_ids))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -349,22 +345,16 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
 
     def step(self) -> EngineCoreOutputs:
         """Schedule, run the model, update request state, and report what happened."""
-        scheduler = self.scheduler
-        self._aborted.extend(scheduler.expire(time.monotonic()))
-        self._aborted.extend(self._fail_bad_constraints())
-        sched = scheduler.schedule()
-        self._aborted.extend(scheduler.take_shed())
-        if sched.is_empty and self.structured.num_compiling:
-            self.structured.wait_for_compile(_COMPILE_POLL_S)  # nothing else to run yet
-        start = time.monotonic()
-        result = self._execute(sched) if not sched.is_empty else RunnerOutput()
-        now = time.monotonic()
-        scheduler.prefill_bound.observe(sched.num_scheduled_tokens, now - start)
-        finished = scheduler.update_after_step(sched, result.sampled, result.pooled)
-        self.admission.drain_rate.observe(now, scheduler.take_num_admitted(), len(scheduler.waiting))
+        sched = self.scheduler.schedule()
+        with self.observer.execute(sched):
+            result = self._execute(sched)
+        finished = self.scheduler.update_after_step(sched, result.sampled, result.pooled)
         return self._make_outputs(sched, result, finished)
 
     def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        if sched.is_empty:
+            self.structured.wait_if_idle()
+            return RunnerOutput()
         if self.executor is None:
             return self.runner.execute(sched)
         try:
@@ -380,19 +370,23 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
             self.executor.check_alive()
 
     def shutdown(self, graceful: bool = True) -> None:
-        """Stop the tensor-parallel workers, if any (see TensorParallelExecutor.shutdown).
-        The core is unusable afterwards."""
+        """Stop the tensor-parallel workers, if any (TensorParallelExecutor.shutdown: joined,
+        process group destroyed), the structured-output threads, and let go of the CUDA
+        graphs, KV cache and weights (huge-page and CUDA memory return once the last
+        tensor goes). Idempotent; the core is unusable afterwards. Also the clean-up of a
+        failed start-up, so any attribute may be missing."""
         if getattr(self, "executor", None) is not None:
             self.executor.shutdown(graceful)
-
-    def _fail_bad_constraints(self) -> list[Request]:
-        """End the requests whose structured-output constraint did not compile."""
-        failed = []
-        for request in self.structured.poll():
-            failed += self.scheduler.finish_requests(
-                [request.request_id], FinishReason.ERROR, error=request.structured.error
-            )
-        return failed
+        if getattr(self, "structured", None) is not None:
+            self.structured.close()
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            runner.release_cuda_graphs()
+            runner.kv_caches = []
+            runner.model = None
+        self.model = None
+        if torch.cuda.is_available() and self.config.torch_device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _make_outputs(
         self, sched: SchedulerOutput, result: RunnerOutput, finished: list[Request]
@@ -446,7 +440,8 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
             # num_cached_tokens is -1 until the prefix cache was looked up; sent as 0.
             cached = [max(c, 0) for c in plain_cached] if min(plain_cached) < 0 else plain_cached
             columns = TokenColumns(plain_ids, plain_tokens, None, cached if any(cached) else None)
-        for request in self._aborted:
+        ended = self.scheduler.take_ended()
+        for request in ended:
             outputs.append(
                 EngineCoreOutput(
                     request_id=request.request_id,
@@ -456,10 +451,9 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
                     error=request.error,
                 )
             )
-        done = {r.request_id for r in finished} | {r.request_id for r in self._aborted}
+        done = {r.request_id for r in finished} | {r.request_id for r in ended}
         num_prompt_tokens, num_generation_tokens = self.scheduler.take_token_counts()
-        iteration = IterationStats(num_prompt_tokens, num_generation_tokens, finished + self._aborted)
-        self._aborted = []
+        iteration = IterationStats(num_prompt_tokens, num_generation_tokens, finished + ended)
         return EngineCoreOutputs(
             engine_index=self.engine_index,
             outputs=outputs,
@@ -471,7 +465,7 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
 
     def take_abort_outputs(self) -> EngineCoreOutputs | None:
         """Outputs for aborts made while idle (no step would otherwise report them)."""
-        if not self._aborted:
+        if not self.scheduler.has_ended:
             return None
         return self._make_outputs(SchedulerOutput(), RunnerOutput(), [])
 

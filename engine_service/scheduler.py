@@ -5,7 +5,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -79,6 +79,12 @@ class Scheduler:
         # Fed by the core with each step's tokens and time; bounds prefill times below.
         self.prefill_bound = PrefillBound(max_num_batched_tokens)
         self._shed: list[Request] = []  # dropped before prefill this step (deadline)
+        # Requests ended outside a forward pass (aborts, expired deadlines, sheds, hook
+        # failures) since take_ended(): the next outputs report them.
+        self._ended: list[Request] = []
+        # Called at the top of schedule(); each returns the requests it ended (e.g. the
+        # structured-output room's failed constraints).
+        self.pre_schedule_hooks: list[Callable[[Scheduler], list[Request]]] = []
         # Per-step token counts for IterationStats (taken and reset by the core).
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
@@ -232,6 +238,22 @@ class Scheduler:
         self._shed.append(request)
         return True
 
+    def abort(self, request_ids: list[str], reason: FinishReason = FinishReason.ABORT) -> None:
+        """``finish_requests``, with the ended requests reported by the next outputs."""
+        self._ended += self.finish_requests(request_ids, reason)
+
+    @property
+    def has_ended(self) -> bool:
+        """Whether take_ended() has requests to report."""
+        return bool(self._ended or self._shed)
+
+    def take_ended(self) -> list[Request]:
+        """Requests ended outside a forward pass since the last call, in the order they
+        ended: aborts, expired deadlines, pre-schedule hooks' failures, sheds."""
+        ended = self._ended + self.take_shed()
+        self._ended = []
+        return ended
+
     def take_num_admitted(self) -> int:
         """Requests moved from waiting to running since the last call."""
         n, self._num_admitted = self._num_admitted, 0
@@ -247,8 +269,12 @@ class Scheduler:
         # (n = 1) are the same move. Running requests go first; waiting ones are admitted
         # while budget, sequence slots and KV blocks allow. When blocks run out, the
         # lowest-priority running request is preempted and recomputed later.
+        # Before that: expired deadlines end, then the pre-schedule hooks run.
         out = SchedulerOutput()
         self._step_start = time.monotonic()
+        self._ended += self.expire(self._step_start)
+        for hook in self.pre_schedule_hooks:
+            self._ended += hook(self)
         budget = self.max_num_batched_tokens
         for request in list(self.running):
             if budget <= 0:

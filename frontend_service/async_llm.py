@@ -136,6 +136,7 @@ class AsyncLLM(EngineUtilities, Pooling, Sessions, Migration, RequestControl, Re
         self._moved: set[str] = set()
         self._num_pooling = 0  # pooling requests in flight (frontend_service/pooling.py)
         self.loras = LoraRegistry(engines)  # LoRA adapters across the engines, by name
+        self.closed = False  # shutdown() was called
 
     # ---- engine callbacks (run on the event loop) ----------------------------------
 
@@ -330,6 +331,8 @@ class AsyncLLM(EngineUtilities, Pooling, Sessions, Migration, RequestControl, Re
         on, the request's span continues that trace and the engine gets the span's own
         context instead; with tracing off they are passed on to the engine as they are.
         """
+        if self.closed:
+            raise EngineUnavailableError("this AsyncLLM was shut down")
         if prompt is not None and not isinstance(prompt, str) and hasattr(prompt, "__aiter__"):
             # Streaming input (the reference's): chunks of a session, one turn each.
             chunks = as_session_chunks(prompt, sampling_params)

@@ -25,6 +25,8 @@ class RequestControl:
     output_processor: Any
     _resumed: asyncio.Event
     _fail: Any
+    engines: Any
+    closed: bool
 
     def abort(self, request_ids: Sequence[str]) -> int:
         """Abort user requests by their ids; returns how many were found."""
@@ -75,6 +77,21 @@ class RequestControl:
         while self.num_unfinished and loop.time() < deadline:
             await asyncio.sleep(poll_interval)
         return self.fail_all(f"the frontend's drain timeout ({timeout:g}s) passed: aborted")
+
+    async def shutdown(self) -> None:
+        """Fail what is still running (UNAVAILABLE) and close the engine connections;
+        idempotent (vLLM's ``AsyncLLM.shutdown``; also ``async with AsyncLLM(...)``)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.fail_all("the AsyncLLM was shut down")
+        await self.engines.close()
+
+    async def __aenter__(self) -> Any:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.shutdown()
 
     def fail_all(self, reason: str) -> int:
         """Fail every unfinished request with UNAVAILABLE ``reason``; returns how many."""

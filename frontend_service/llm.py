@@ -7,7 +7,9 @@ this process instead of behind gRPC: for batch jobs, tests and benchmarks.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Mapping, Sequence
+from types import TracebackType
 from typing import Any
 
 from engine_service.config import EngineConfig
@@ -24,11 +26,18 @@ PromptType = str | Mapping[str, Any] | Sequence[Mapping[str, Any]]
 
 
 class LLM:
+    """An engine in this process. Close it with ``shutdown()`` or ``with LLM(...) as llm:``;
+    one that is garbage-collected or still open at interpreter exit is shut down then.
+    Closed, its workers are joined, the process group destroyed and its memory
+    released, so a new ``LLM`` of any kind can start in the same process."""
+
     def __init__(self, model: str, **engine_args: Any) -> None:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.engine = EngineCore(EngineConfig(model=model, **engine_args))
+        # Holds the engine, not self: runs once, on shutdown(), collection or exit.
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
         mc = self.engine.model_config
         self.input_processor = InputProcessor(
             self.tokenizer,
@@ -41,6 +50,23 @@ class LLM:
         )
         self._counter = 0
 
+    def shutdown(self) -> None:
+        """Stop the engine and release what it holds; idempotent. The LLM is unusable
+        afterwards."""
+        self._finalizer()
+
+    def _check_open(self) -> None:
+        if not self._finalizer.alive:
+            raise RuntimeError("this LLM was shut down: make a new one")
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.shutdown()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -51,6 +77,7 @@ class LLM:
 
         ``lora_request``: one adapter for every prompt, or a list with one per prompt
         (None entries: the base model)."""
+        self._check_open()
         if isinstance(prompts, str | Mapping) or _is_chat(prompts):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
@@ -131,6 +158,7 @@ class LLM:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
     ) -> list[PoolingRequestOutput]:
         """One vector per prompt (text or {"prompt_token_ids": [...]}), in prompt order."""
+        self._check_open()
         if isinstance(prompts, str | Mapping):
             prompts = [prompts]
         prompts = list(prompts)

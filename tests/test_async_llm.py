@@ -29,6 +29,7 @@ class FakeEngine:
         self.address = "fake"
         self.added: list[EngineCoreRequest] = []
         self.aborted: list[str] = []
+        self.closes = 0
 
     def pick(self, request: EngineCoreRequest | None = None, exclude: Collection[object] = ()) -> FakeEngine:
         if self in exclude:
@@ -48,6 +49,9 @@ class FakeEngine:
 
     def abort(self, request_ids: list[str]) -> None:
         self.aborted += request_ids
+
+    async def close(self) -> None:
+        self.closes += 1
 
 
 def _llm(tokenizer: Any) -> tuple[AsyncLLM, FakeEngine]:
@@ -171,3 +175,23 @@ def test_a_stream_behind_on_its_writes_holds_up_one_round_only(tokenizer: Any) -
     first_pending, later_pending, all_done = asyncio.run(scenario())
     assert later_pending == 0  # the rounds after the first never waited for the slow stream
     assert first_pending == 0 and all_done  # and the first is released when it goes away
+
+
+def test_shutdown_fails_running_streams_closes_the_engines_once_and_refuses_new_ones(tokenizer: Any) -> None:
+    async def scenario() -> None:
+        llm, engine = _llm(tokenizer)
+        async with llm:
+            stream = llm.generate(SamplingParams(max_tokens=4), prompt_token_ids=[5, 6], request_id="r")
+            pending = asyncio.ensure_future(stream.__anext__())
+            await asyncio.sleep(0)
+            assert len(engine.added) == 1
+            await llm.shutdown()
+            with pytest.raises(EngineUnavailableError, match="shut down"):
+                await pending
+            assert engine.closes == 1
+        assert engine.closes == 1  # leaving `async with` after shutdown() closes nothing twice
+        with pytest.raises(EngineUnavailableError, match="shut down"):
+            await llm.generate(SamplingParams(max_tokens=4), prompt_token_ids=[5], request_id="s").__anext__()
+        assert len(engine.added) == 1
+
+    asyncio.run(scenario())
