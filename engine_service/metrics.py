@@ -7,7 +7,7 @@ hands finished requests over in ``IterationStats``.
 The engine exports what only it knows: its queue, KV cache, prefix cache, preemptions,
 and the queue/prefill/decode split of each request. Client-visible latencies (TTFT,
 inter-token, end-to-end), finish reasons and token counts are the frontend's
-(``frontend_service/metrics.py``). README.md lists every metric.
+(``frontend_service/metrics.py``). docs/metrics-and-tracing.md lists every metric.
 """
 
 from __future__ import annotations
