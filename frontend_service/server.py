@@ -209,7 +209,7 @@ async def _serve_frontend(
         def http_ready() -> bool:  # readiness as grpc.health.v1 reports it
             return "llm" in holder and not servicer.draining and group.any_alive
 
-        view = FrontendView(servicer, config.model, http_ready, registry)
+        view = FrontendView(servicer, config.model, http_ready, registry, api_keys=config.security.api_keys)
         try:
             http = HttpServer(view, config.host, config.http_port, config.security.tls, config.reuse_port)
         except BaseException:
@@ -264,7 +264,7 @@ async def _serve_frontend(
     if http is not None:
         await http.stop(STREAM_CLOSE_GRACE)
     await server.stop(STREAM_CLOSE_GRACE)
-    await group.close()
+    await llm.shutdown()
     return 0
 
 

@@ -9,6 +9,7 @@ import sys
 import grpc
 
 from tandem.argtypes import non_negative_float, positive_int
+from tandem.security import API_KEY_ENV, AUTHORIZATION_HEADER, parse_api_keys
 from tandem.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
 
 
@@ -27,6 +28,10 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat", action="store_true", help="Send the prompt as one user chat message.")
     p.add_argument("--timeout", type=non_negative_float, default=300.0,
                    help="Seconds before the call is given up (its gRPC deadline).")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="Key sent as 'authorization: Bearer KEY', for a frontend started with --api-key; "
+                        "prefer the env var TANDEM_API_KEY (argv is visible to other users; of a "
+                        "comma-separated list there, the first key is sent). Default: none.")
     p.set_defaults(handler=run_cli)
 
 
@@ -46,13 +51,19 @@ def build_request(args: argparse.Namespace) -> frontend_pb2.GenerateRequest:
     return req
 
 
+def call_metadata(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """The API key's ``authorization`` metadata: --api-key, else TANDEM_API_KEY's first key."""
+    keys = parse_api_keys([args.api_key] if args.api_key else None, os.environ.get(API_KEY_ENV, "")).keys
+    return ((AUTHORIZATION_HEADER, f"Bearer {keys[0]}"),) if keys else ()
+
+
 def run_cli(args: argparse.Namespace) -> int:
     target = args.target or f"127.0.0.1:{args.port}"
     with grpc.insecure_channel(target) as channel:
         stub = frontend_pb2_grpc.GenerationStub(channel)
         mid_line = False  # text written since the last newline
         try:
-            for resp in stub.Generate(build_request(args), timeout=args.timeout):
+            for resp in stub.Generate(build_request(args), timeout=args.timeout, metadata=call_metadata(args)):
                 for out in resp.outputs:
                     sys.stdout.write(out.text)
                     mid_line = mid_line or bool(out.text)

@@ -3,7 +3,10 @@
 Torch-free; both services use it. Every RPC has an ``Access`` class, looked up in
 ``METHOD_ACCESS`` (one table, by full method or by service):
 
-- ``PUBLIC``: anyone who can reach the port (Generate, Tokenize, health, reflection...).
+- ``PUBLIC``: anyone who can reach the port (health, reflection, IsPaused).
+- ``CLIENT``: the client API (Generate, Tokenize...). With ``--api-key`` it needs
+  ``authorization: Bearer <one of the keys>``, as the HTTP API does (``ApiKeys.refusal``,
+  the one rule of both edges); without, anyone.
 - ``ADMIN``: operators. On the public port only with ``authorization: Bearer <admin token>``
   when ``--admin-token`` is set, and refused there when it is not; on the loopback
   ``--admin-port`` listener always allowed (it trusts every local process).
@@ -11,8 +14,10 @@ Torch-free; both services use it. Every RPC has an ``Access`` class, looked up i
   ``--engine-token`` set they need ``x-tandem-engine-token: <token>``; with ``--tls-ca``
   the TLS handshake already refused any client without a certificate signed by that CA.
 
-Missing credentials answer UNAUTHENTICATED, wrong ones PERMISSION_DENIED; tokens are
-compared in constant time.
+Missing credentials answer UNAUTHENTICATED, wrong tokens PERMISSION_DENIED, a wrong API key
+UNAUTHENTICATED (HTTP's 401, as OpenAI and vLLM answer it). Compared in constant time.
+Admin RPCs need the admin token, not the API key (as in vLLM; ``authorization`` holds one);
+the loopback ``--admin-port`` trusts every local process, for client RPCs too.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import grpc
 
 class Access(enum.Enum):
     PUBLIC = "public"
+    CLIENT = "client"
     ADMIN = "admin"
     FRONTEND = "frontend"
 
@@ -38,6 +44,8 @@ class Access(enum.Enum):
 # Keys: "package.Service/Method" or "package.Service" (every method of it). Not listed: PUBLIC.
 # IsPaused stays public: it changes nothing and load balancers may read it.
 METHOD_ACCESS: Mapping[str, Access] = {
+    "tandem.v1.Generation": Access.CLIENT,
+    "tandem.v1.Generation/IsPaused": Access.PUBLIC,
     "tandem.v1.Generation/PauseGeneration": Access.ADMIN,
     "tandem.v1.Generation/ResumeGeneration": Access.ADMIN,
     "tandem.v1.FrontendAdmin": Access.ADMIN,
@@ -53,7 +61,7 @@ METHOD_ACCESS: Mapping[str, Access] = {
     "vllm.grpc.engine.VllmEngine/StopProfile": Access.ADMIN,
 }
 
-AUTHORIZATION_HEADER = "authorization"  # value: "Bearer <admin token>"
+AUTHORIZATION_HEADER = "authorization"  # value: "Bearer <admin token>" or "Bearer <API key>"
 ENGINE_TOKEN_HEADER = "x-tandem-engine-token"  # value: the engine token
 
 
@@ -127,6 +135,52 @@ class TlsFiles:
         )
 
 
+def _bearer(authorization: str | None) -> str:
+    """The credential of an ``authorization: Bearer <credential>`` value; "" if none."""
+    scheme, _, given = (authorization or "").partition(" ")
+    return given.strip() if scheme.lower() == "bearer" else ""
+
+
+@dataclass(frozen=True)
+class ApiKeys:
+    """The keys that admit clients to the client API (``--api-key``); none: not checked."""
+
+    keys: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.keys)
+
+    def refusal(self, authorization: str | None) -> tuple[grpc.StatusCode, str] | None:
+        """(code, message) to refuse a client call whose ``authorization`` header or
+        metadata is this, or None to let it through. The rule of both edges: gRPC answers
+        the code, HTTP its status (UNAUTHENTICATED: 401)."""
+        if not self.keys:
+            return None
+        given = _bearer(authorization)
+        if not given:
+            return grpc.StatusCode.UNAUTHENTICATED, "this server needs an API key: send 'authorization: Bearer <key>'"
+        # Every key compared, in constant time: the answer's timing tells nothing.
+        if not any([_same(given, key) for key in self.keys]):
+            return grpc.StatusCode.UNAUTHENTICATED, "invalid API key"
+        return None
+
+
+def _split_keys(value: str) -> list[str]:
+    return [key.strip() for key in value.split(",") if key.strip()]
+
+
+def parse_api_keys(values: Sequence[str] | None, env_value: str = "") -> ApiKeys:
+    """``--api-key`` values, else the env value: each a comma-separated list of keys
+    (blanks around them dropped, empty entries ignored)."""
+    return ApiKeys(tuple(key for value in (values or [env_value]) for key in _split_keys(value)))
+
+
+def _api_key_arg(text: str) -> str:
+    if not _split_keys(text):  # e.g. --api-key "$UNSET": refuse rather than serve open
+        raise argparse.ArgumentTypeError("no key in it (omit the flag to ask for none)")
+    return text
+
+
 @dataclass(frozen=True)
 class ServerSecurity:
     """How one service's ports are protected; each field is a flag and a TANDEM_* env var."""
@@ -135,6 +189,7 @@ class ServerSecurity:
     admin_token: str = ""  # operators' bearer token on the public port; empty: admin RPCs refused there
     admin_port: int = 0  # loopback (127.0.0.1) listener that serves admin RPCs without a token; 0: off
     engine_token: str = ""  # engines: the token frontends must present; empty: not checked
+    api_keys: ApiKeys = field(default_factory=ApiKeys)  # frontends: CLIENT RPCs need one; none: public
 
 
 def _metadata(details: grpc.HandlerCallDetails) -> dict[str, str]:
@@ -157,6 +212,8 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
     def refusal(self, method: str, metadata: Mapping[str, str]) -> tuple[grpc.StatusCode, str] | None:
         """(code, message) to refuse ``method`` with, or None to let it through."""
         access = access_of(method)
+        if access is Access.CLIENT:
+            return self.security.api_keys.refusal(metadata.get(AUTHORIZATION_HEADER))
         if access is Access.ADMIN:
             return self._check_admin(metadata)
         if access is Access.FRONTEND and self.security.engine_token:
@@ -180,10 +237,10 @@ class AccessInterceptor(grpc.aio.ServerInterceptor):
                 "admin RPCs are disabled on the public port: set --admin-token (TANDEM_ADMIN_TOKEN) "
                 f"and send 'authorization: Bearer <token>', or call {where}",
             )
-        scheme, _, given = metadata.get(AUTHORIZATION_HEADER, "").partition(" ")
-        if scheme.lower() != "bearer" or not given:
+        given = _bearer(metadata.get(AUTHORIZATION_HEADER))
+        if not given:
             return grpc.StatusCode.UNAUTHENTICATED, "admin RPCs need 'authorization: Bearer <admin token>' metadata"
-        if not _same(given.strip(), token):
+        if not _same(given, token):
             return grpc.StatusCode.PERMISSION_DENIED, "wrong admin token"
         return None
 
@@ -297,6 +354,27 @@ def add_server_security_cli(p: argparse.ArgumentParser, *, engine: bool, admin_p
         p.add_argument("--engine-token", default=env("TANDEM_ENGINE_TOKEN", ""),
                        help="Shared secret frontends must send to open Stream or call GetEngineInfo; "
                             "prefer the env var TANDEM_ENGINE_TOKEN. Default: none (not checked).")
+    else:
+        add_api_key_cli(p)
+
+
+API_KEY_ENV = "TANDEM_API_KEY"
+
+
+def add_api_key_cli(p: argparse.ArgumentParser) -> None:
+    """The frontend's ``--api-key`` (``tandem frontend`` and ``tandem serve``)."""
+    p.add_argument("--api-key", action="append", type=_api_key_arg, default=None, metavar="KEY",
+                   help="Require clients of the OpenAI API and the gRPC Generation service to send one "
+                        "of the keys as 'Authorization: Bearer KEY' (vLLM's --api-key); /health, /metrics, "
+                        "gRPC health, reflection and IsPaused stay open, admin RPCs keep --admin-token, and "
+                        "the loopback --admin-port (it trusts local processes) asks for no key. "
+                        "Several keys: repeat the flag or separate them with commas. Env "
+                        f"{API_KEY_ENV} (comma-separated; preferred, argv is visible to other users), "
+                        "ignored when the flag is given. Default: none, no key is asked for.")
+
+
+def api_keys_from_args(args: argparse.Namespace) -> ApiKeys:
+    return parse_api_keys(args.api_key, os.environ.get(API_KEY_ENV, ""))
 
 
 def server_security_from_args(args: argparse.Namespace, *, engine: bool) -> ServerSecurity:
@@ -305,6 +383,7 @@ def server_security_from_args(args: argparse.Namespace, *, engine: bool) -> Serv
         admin_token=args.admin_token,
         admin_port=args.admin_port,
         engine_token=args.engine_token if engine else "",
+        api_keys=ApiKeys() if engine else api_keys_from_args(args),
     )
 
 

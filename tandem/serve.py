@@ -25,7 +25,14 @@ from tandem import ports, telemetry
 from tandem.argtypes import positive_int
 from tandem.errors import UsageError
 from tandem.grpc_server import BindError
-from tandem.security import EngineChannelSecurity, SecurityConfigError, ServerSecurity, TlsFiles
+from tandem.security import (
+    EngineChannelSecurity,
+    SecurityConfigError,
+    ServerSecurity,
+    TlsFiles,
+    add_api_key_cli,
+    api_keys_from_args,
+)
 from tandem.supervisor import EngineProcess, EngineSupervisor, RestartPolicy
 
 # frontend_service.metrics.MULTIPROC_ENV, set before anything here imports prometheus_client.
@@ -40,9 +47,10 @@ STOP_MARGIN_S = 10.0  # beyond the drain timeout, before an engine is SIGKILLed
 def add_cli(sub: argparse._SubParsersAction) -> None:
     env = os.environ.get
     p = sub.add_parser(
-        "serve", help="Start N engine processes and the frontend on localhost.",
-        description="Start N engine processes and one frontend on this machine; engines that "
-        "die are restarted, and all of them stop with serve.",
+        "serve", help="Start N engine processes and M frontends on localhost.",
+        description="Start N engine processes and M frontends (default 1, sharing one port) on "
+        "this machine; engines and extra frontends that die are restarted, and all of them "
+        "stop with serve.",
     )
     p.add_argument("--model", default=env("TANDEM_MODEL", ""),
                    help="Local checkpoint directory (env TANDEM_MODEL); default: the demo model.")
@@ -92,6 +100,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-token", default=env("TANDEM_ENGINE_TOKEN", ""),
                    help="Shared secret between the frontend and its engines (env TANDEM_ENGINE_TOKEN; "
                         "default: none, the engines listen on 127.0.0.1 only).")
+    add_api_key_cli(p)  # every frontend process of this serve asks for it
     p.add_argument("engine_args", nargs=argparse.REMAINDER,
                    help="After '--': flags passed to every engine (e.g. -- --max-num-seqs 32).")
     p.set_defaults(handler=run_cli)
@@ -125,7 +134,8 @@ def engine_env(args: argparse.Namespace) -> dict[str, str]:
     _set_or_drop(env, TANDEM_ADMIN_TOKEN=args.admin_token, TANDEM_ENGINE_TOKEN=args.engine_token)
     # The frontend's settings: engines run plain text on 127.0.0.1, without an admin port,
     # and serve their own metrics.
-    for name in ("TANDEM_ADMIN_PORT", "TANDEM_TLS_CERT", "TANDEM_TLS_KEY", "TANDEM_TLS_CA", MULTIPROC_ENV):
+    for name in ("TANDEM_ADMIN_PORT", "TANDEM_TLS_CERT", "TANDEM_TLS_KEY", "TANDEM_TLS_CA", "TANDEM_API_KEY",
+                 MULTIPROC_ENV):
         env.pop(name, None)
     return env
 
@@ -140,7 +150,8 @@ def frontend_processes(args: argparse.Namespace, model: str, engines: list[str])
            "TANDEM_REQUEST_MIGRATION_WAIT": str(args.request_migration_wait),
            "TANDEM_MAX_REQUEST_MIGRATIONS": str(args.max_request_migrations)}
     _set_or_drop(env, TANDEM_ADMIN_TOKEN=args.admin_token, TANDEM_ENGINE_TOKEN=args.engine_token,
-                 TANDEM_TLS_CERT=args.tls_cert, TANDEM_TLS_KEY=args.tls_key)
+                 TANDEM_TLS_CERT=args.tls_cert, TANDEM_TLS_KEY=args.tls_key,
+                 TANDEM_API_KEY=",".join(api_keys_from_args(args).keys))
     targets = [a for address in engines for a in ("--engine", address)]
     children = []
     for i in range(1, args.frontends):
@@ -235,7 +246,8 @@ async def _serve(
                             connect_timeout=args.connect_timeout, metrics_port=args.metrics_port,
                             http_port=args.http_port,
                             security=ServerSecurity(TlsFiles(args.tls_cert, args.tls_key),
-                                                    admin_token=args.admin_token, admin_port=admin_port),
+                                                    admin_token=args.admin_token, admin_port=admin_port,
+                                                    api_keys=api_keys_from_args(args)),
                             engine_channel=EngineChannelSecurity(engine_token=args.engine_token),
                             drain_timeout=args.drain_timeout, migration=migration_config_from_args(args),
                             engine_output=output_flow_from_args(args), reuse_port=frontends is not None)

@@ -161,9 +161,11 @@ def test_the_access_table_classes_operator_and_engine_rpcs() -> None:
     assert access_of("/tandem.v1.EngineCore/ResetPrefixCache") is Access.ADMIN
     assert access_of("/tandem.v1.EngineCore/Stream") is Access.FRONTEND
     assert access_of("/tandem.v1.EngineCore/GetEngineInfo") is Access.FRONTEND
-    for public in ("Generate", "Abort", "Tokenize", "IsPaused", "GetModelInfo"):
-        assert access_of(f"/tandem.v1.Generation/{public}") is Access.PUBLIC
+    for client in ("Generate", "GenerateSession", "Embed", "Abort", "Tokenize", "Detokenize", "GetModelInfo"):
+        assert access_of(f"/tandem.v1.Generation/{client}") is Access.CLIENT  # --api-key, when set
+    assert access_of("/tandem.v1.Generation/IsPaused") is Access.PUBLIC
     assert access_of("/grpc.health.v1.Health/Check") is Access.PUBLIC
+    assert access_of("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo") is Access.PUBLIC
 
 
 def test_admin_rpcs_need_the_admin_token_on_the_public_port() -> None:

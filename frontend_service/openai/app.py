@@ -8,6 +8,10 @@ RESOURCE_EXHAUSTED 429 with ``Retry-After``, UNAVAILABLE 503, DEADLINE_EXCEEDED 
 500). ``param`` is the field an ``InvalidRequestError`` names; pydantic's validation errors
 (FastAPI's 422) are 400s naming the field too.
 
+With ``--api-key`` every route but ``OPEN_PATHS`` (probes, scrapers) needs
+``Authorization: Bearer <key>``; ``tandem.security.ApiKeys`` decides, as for gRPC, and a
+refusal is a 401 in the same error shape.
+
 A client that goes away aborts its request: the handler races the generation against the
 connection's ``http.disconnect``, for streams during the whole response.
 """
@@ -20,15 +24,16 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from frontend_service.errors import retry_after_ms_for, status_for
 from frontend_service.openai import embeddings, serving, shapes
@@ -41,6 +46,7 @@ from frontend_service.openai.protocol import (
     warn_unknown,
 )
 from tandem.protocol.sampling_params import InvalidRequestError
+from tandem.security import ApiKeys
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +197,27 @@ def guarded(route: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitabl
     return wrapper
 
 
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # served without an API key
+
+
+class RequireApiKey:
+    """ASGI middleware: refuses HTTP requests outside ``OPEN_PATHS`` that lack one of ``keys``."""
+
+    def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            refusal = self.keys.refusal(Headers(scope=scope).get("authorization"))
+            if refusal is not None:
+                response = error_response(ApiError(*refusal))
+                response.headers["WWW-Authenticate"] = "Bearer"
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 @dataclass
 class FrontendView:
     """What the HTTP edge reads from the running frontend (the gRPC servicer's state)."""
@@ -200,11 +227,14 @@ class FrontendView:
     ready: Callable[[], bool]  # readiness, as grpc.health.v1 reports it
     registry: Any = None  # the frontend's prometheus CollectorRegistry (None: no /metrics)
     created: int = 0
+    api_keys: ApiKeys = field(default_factory=ApiKeys)  # --api-key; none: the API is open
 
 
 def build_app(view: FrontendView) -> FastAPI:
     app = FastAPI(title="tandem", docs_url=None, redoc_url=None, openapi_url=None)
     view.created = view.created or int(time.time())
+    if view.api_keys:
+        app.add_middleware(RequireApiKey, keys=view.api_keys)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
