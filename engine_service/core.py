@@ -431,6 +431,7 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
                     finish_reason=request.finish_reason,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    error=request.error,  # why a request the step ended with ERROR failed
                     # Echoed once, on the final output (not on every step).
                     trace_headers=request.trace_headers if request.finish_reason is not None else None,
                 )

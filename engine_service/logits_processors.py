@@ -3,6 +3,13 @@
 Masks (allowed token ids, min_tokens), logit bias and the penalties edit the logits in
 place (``*_`` names); min-p, top-k and top-p return a copy with the dropped tokens at
 -inf; ``exponential_race`` draws one token per row (see ``Sampler`` for the order).
+
+Extreme but valid knobs keep the logits usable: a token is either masked (-inf) or has a
+finite logit in [-MAX_LOGIT, MAX_LOGIT]. Biases and penalised logits saturate at
+MAX_LOGIT instead of overflowing float32 (an inf beside a -inf mask made NaN), a masked
+token stays masked whatever is added to it or multiplied into it, and a mask that would
+leave a row no token at all yields to the masks applied before it (the structured-output
+constraint, applied before the sampler, always wins).
 """
 
 from __future__ import annotations
@@ -14,12 +21,24 @@ import torch
 from kernels.reference import seeded_uniform as reference_seeded_uniform
 
 _NEG_INF = float("-inf")
+# A finite logit never leaves [-MAX_LOGIT, MAX_LOGIT]: divided by the smallest sampling
+# temperature (1e-5) it stays finite in float32 (max ~3.4e38), and a logit this large
+# already wins every softmax, so saturating here changes no normal result.
+MAX_LOGIT = 1e30
+# A repetition penalty acts within [1 / MAX_REPETITION, MAX_REPETITION]: beyond it a seen
+# token's logit saturates at +-MAX_LOGIT (or ~0) anyway; in float32 1e-300 would be 0 and
+# 1e300 inf, which made inf and NaN logits.
+MAX_REPETITION = 1e30
 
 
 def apply_allowed_token_ids_(
     logits: torch.Tensor, allowed_token_ids: list[list[int] | None]
 ) -> None:
-    """Set every token outside a row's allowed list to -inf."""
+    """Set every token outside a row's allowed list to -inf.
+
+    A row whose allowed tokens are all masked already (by a structured-output constraint
+    that allows none of them) keeps its logits: the constraint wins, so the row still has
+    a token to sample."""
     rows = [r for r, ids in enumerate(allowed_token_ids) if ids is not None]
     if not rows:
         return
@@ -27,11 +46,17 @@ def apply_allowed_token_ids_(
     blocked = torch.ones(len(rows), logits.shape[1], dtype=torch.bool, device=logits.device)
     blocked[row_index, token_index] = False  # [R, V]
     rows_t = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    logits[rows_t] = logits[rows_t].masked_fill(blocked, _NEG_INF)
+    masked = logits[rows_t].masked_fill(blocked, _NEG_INF)  # [R, V]
+    left = (masked > _NEG_INF).any(dim=-1)  # [R]: the row still has a token
+    if bool(left.all()):
+        logits[rows_t] = masked
+    else:
+        logits[rows_t[left]] = masked[left]
 
 
 def apply_logit_bias_(logits: torch.Tensor, logit_bias: list[dict[int, float] | None]) -> None:
-    """Add each row's bias to its listed tokens."""
+    """Add each row's bias to its listed tokens; a bias saturates at +-MAX_LOGIT (a
+    masked token stays masked)."""
     rows: list[int] = []
     tokens: list[int] = []
     biases: list[float] = []
@@ -43,13 +68,16 @@ def apply_logit_bias_(logits: torch.Tensor, logit_bias: list[dict[int, float] | 
     if not rows:
         return
     index = _index_pair(rows, tokens, logits)
-    logits.index_put_(
-        index, torch.tensor(biases, dtype=logits.dtype, device=logits.device), accumulate=True
-    )
+    bias_t = torch.tensor(biases, dtype=logits.dtype, device=logits.device)
+    logits.index_put_(index, bias_t.clamp_(-MAX_LOGIT, MAX_LOGIT), accumulate=True)
 
 
 def apply_min_tokens_(logits: torch.Tensor, min_tokens_block: list[set[int] | None]) -> None:
-    """Set each row's blocked tokens (EOS, stop tokens) to -inf."""
+    """Set each row's blocked tokens (EOS, stop tokens) to -inf.
+
+    A row left with no token (its structured-output constraint or allowed_token_ids
+    allow only blocked tokens) keeps them: the request may stop before min_tokens
+    rather than sample a token it may not."""
     rows: list[int] = []
     tokens: list[int] = []
     for row, block in enumerate(min_tokens_block):
@@ -58,7 +86,14 @@ def apply_min_tokens_(logits: torch.Tensor, min_tokens_block: list[set[int] | No
             tokens.extend(block)
     if not rows:
         return
-    logits[_index_pair(rows, tokens, logits)] = _NEG_INF
+    index = _index_pair(rows, tokens, logits)
+    saved = logits[index]  # [N]
+    logits[index] = _NEG_INF
+    blocked_rows = torch.unique(index[0])  # [R], sorted
+    empty = ~(logits[blocked_rows] > _NEG_INF).any(dim=-1)  # [R]
+    if bool(empty.any()):
+        restore = torch.isin(index[0], blocked_rows[empty])  # [N]
+        logits[index[0][restore], index[1][restore]] = saved[restore]
 
 
 def apply_penalties_(
@@ -74,7 +109,9 @@ def apply_penalties_(
     repetition: tokens seen in prompt or output have positive logits divided and
     negative logits multiplied by the penalty; frequency: subtract penalty * count in
     output; presence: subtract penalty once if the token is in the output.
-    Works on the touched (row, token) pairs only: no [B, V] temporaries.
+    Works on the touched (row, token) pairs only: no [B, V] temporaries. A masked token
+    (-inf) stays masked, and the others stay finite, saturating at +-MAX_LOGIT (a
+    repetition penalty of 1e-30 makes a seen token's positive logit huge, not inf).
     """
     num_rows, vocab_size = logits.shape
     device = logits.device
@@ -105,10 +142,12 @@ def apply_penalties_(
     key_rows = keys // vocab_size  # [N]
     flat = logits.view(-1)  # [B * V]
     values = flat[keys]  # [N]
-    rep = repetition[key_rows]  # [N]; every key was seen in prompt or output
+    masked = values == _NEG_INF  # [N]
+    # [N]; every key was seen in prompt or output
+    rep = repetition[key_rows].clamp(1.0 / MAX_REPETITION, MAX_REPETITION)
     values = torch.where(values > 0, values / rep, values * rep)
     values = values - frequency[key_rows] * counts - presence[key_rows] * (counts > 0)
-    flat[keys] = values
+    flat[keys] = values.clamp_(-MAX_LOGIT, MAX_LOGIT).masked_fill_(masked, _NEG_INF)
 
 
 def _or_neutral(

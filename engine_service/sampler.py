@@ -3,9 +3,13 @@
 Order of work (as vLLM v1):
 1. logprobs from the raw logits (before any processing; vLLM's "raw_logprobs");
 2. allowed_token_ids mask, logit_bias, min_tokens mask, then penalties
-   (repetition, frequency, presence): these change what greedy rows pick too;
+   (repetition, frequency, presence): these change what greedy rows pick too. However
+   extreme the knobs, every row keeps a token of finite logit: a mask never empties a
+   row (the structured-output mask, applied before the sampler, wins), and biased or
+   penalised logits saturate at +-MAX_LOGIT (``logits_processors``);
 3. greedy rows take the argmax;
-4. random rows (as one sub-batch): temperature, min-p, top-k, then top-p on what is
+4. random rows (as one sub-batch): temperature (at most float32's largest: 1e300 is a
+   uniform draw over the tokens left), min-p, top-k, then top-p on what is
    left, then the exponential race (argmax of probs / q with q ~ Exp(1)). Seeded rows
    draw q from a counter-based stream keyed by (seed, output position) (see
    ``kernels.reference.seeded_uniform``), so a seeded request gets the same tokens
@@ -39,6 +43,7 @@ from tandem.protocol.outputs import Logprobs
 from tandem.protocol.sampling_params import SamplingParams
 
 _SAMPLING_EPS = 1e-5  # temperature below this is greedy (as SamplingParams.greedy)
+_MAX_TEMPERATURE = torch.finfo(torch.float32).max
 
 
 @dataclass
@@ -380,7 +385,8 @@ def _sample_random(
     seeds: dict[int, tuple[int, int]],  # keyed by row of this sub-batch
     seeded_uniform: SeededUniform,
 ) -> torch.Tensor:  # [R] int64
-    scaled = logits / temperature[:, None]  # [R, V]
+    # A temperature past float32's range (e.g. 1e300) would be inf, and -inf / inf NaN.
+    scaled = logits / temperature.clamp(max=_MAX_TEMPERATURE)[:, None]  # [R, V]
     if min_p is not None:
         scaled = apply_min_p(scaled, min_p)
     scaled = apply_top_k_top_p(scaled, top_k, top_p)

@@ -38,7 +38,12 @@ from tandem.protocol.outputs import (
     Logprobs,
     TokenColumns,
 )
-from tandem.protocol.sampling_params import InvalidRequestError, RequestOutputKind, SamplingParams
+from tandem.protocol.sampling_params import (
+    InvalidRequestError,
+    RequestOutputKind,
+    SamplingParams,
+    int64_seed,
+)
 
 if TYPE_CHECKING:
     from frontend_service.input_processor import ProcessedRequest
@@ -248,8 +253,9 @@ class RequestState:
 class ParentRequest:
     """One user request: fans out into ``n`` engine requests and gathers their outputs.
 
-    Child ``i`` gets ``n = 1`` and, when the user gave a seed, ``seed + i``, so the n
-    samples differ from each other yet the whole request is reproducible.
+    Child ``i`` gets ``n = 1`` and, when the user gave a seed, ``seed + i`` (wrapped into
+    int64, the wire's type: the same random stream, which is a function of the seed mod
+    2**64), so the n samples differ from each other yet the whole request is reproducible.
 
     Aggregation by output kind:
 
@@ -288,7 +294,7 @@ class ParentRequest:
         return dataclasses.replace(
             self.sampling_params,
             n=1,
-            seed=None if seed is None else seed + index,
+            seed=None if seed is None else int64_seed(seed + index),
             stop=list(self.sampling_params.stop),
             stop_token_ids=list(self.sampling_params.stop_token_ids),
         )

@@ -671,3 +671,35 @@ def test_structured_output_errors_are_invalid_argument(stub: frontend_pb2_grpc.G
     # The stack still serves.
     _, ids = joined(run(stub, frontend_pb2.GenerateRequest(prompt=PROMPT_TEXT, sampling_params=greedy(4))))
     assert len(ids) == 4
+
+
+def test_extreme_sampling_values_answer_ok_or_invalid_argument(
+    stub: frontend_pb2_grpc.GenerationStub,
+) -> None:
+    """Issue 36: accepted extreme values ended INTERNAL with structured output (float32
+    turned the penalty into 0 and the temperature into inf, the masked logits into NaN).
+    Each runs now, or is refused naming its field (logit_bias is a float on the wire:
+    1e300 arrives as inf); the largest int64 seed with n=2 (child seeds past int64) runs."""
+    json_object = common_pb2.StructuredOutputs(json_object=True)
+    regex = common_pb2.StructuredOutputs(regex="[a-z]{2,6}")
+    cases = {
+        "ok": [
+            params(repetition_penalty=1e-300, max_tokens=8, structured_outputs=json_object),
+            params(temperature=1e300, max_tokens=8, structured_outputs=json_object),
+            params(temperature=1e300, max_tokens=8, seed=2**63 - 1, n=2, structured_outputs=regex),
+            params(repetition_penalty=1e300, logit_bias={5: 3e38}, structured_outputs=regex),
+        ],
+        "logit_bias[5]": [params(logit_bias={5: 1e300}, max_tokens=8, structured_outputs=regex)],
+    }
+    for expected, sampling_params_list in cases.items():
+        for sampling_params in sampling_params_list:
+            request = frontend_pb2.GenerateRequest(prompt="a", sampling_params=sampling_params)
+            if expected != "ok":
+                error = rpc_error(lambda r=request: stub.Generate(r, timeout=CALL_TIMEOUT))
+                assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+                assert error.details().startswith(f"invalid {expected}="), error.details()
+                continue
+            responses = run(stub, request)
+            finals = [o.finish_reason for r in responses for o in r.outputs if o.finish_reason]
+            assert len(finals) == max(sampling_params.n, 1), (sampling_params, finals)
+            assert set(finals) <= {"stop", "length"}, (sampling_params, finals)

@@ -438,3 +438,16 @@ def test_a_continuation_replays_the_grammar_and_ends_the_same(tiny_llama_dir: st
             assert final_rest["cont"].finish_reason == final["alone"].finish_reason
             checked += 1
     assert checked >= 3, "the constraints gave too few multi-token outputs to cut"
+
+
+def test_a_request_the_step_fails_reports_why(tiny_llama_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error found while updating after the forward (here: a token outside the
+    constraint, the mask skipped on purpose) reaches the outputs with its reason."""
+    core = _core(tiny_llama_dir)
+    monkeypatch.setattr(core.structured, "apply", lambda logits, fill: None)
+    params = SamplingParams(max_tokens=4, temperature=0.0, structured_outputs=SO(regex="q{3}"))
+    _, final, _ = _run(core, [EngineCoreRequest("r", [5, 6, 7], params, eos_token_id=2)])
+    out = final["r"]
+    assert out.finish_reason == FinishReason.ERROR  # the unmasked argmax left the constraint
+    assert out.error is not None and out.error.code == ErrorCode.INTERNAL
+    assert "outside the structured-output constraint" in out.error.message

@@ -50,7 +50,12 @@ from tandem.protocol.outputs import (
     UtilityOutput,
 )
 from tandem.protocol.pooling_params import PoolingParams
-from tandem.protocol.sampling_params import InvalidRequestError, RequestOutputKind, SamplingParams
+from tandem.protocol.sampling_params import (
+    InvalidRequestError,
+    RequestOutputKind,
+    SamplingParams,
+    int64_seed,
+)
 from tandem.protocol.structured_output import StructuredOutputsParams
 from tandem.v1 import common_pb2, engine_pb2
 
@@ -160,7 +165,7 @@ def sampling_params_to_proto(sp: SamplingParams) -> common_pb2.SamplingParams:
         top_p=sp.top_p,
         top_k=sp.top_k,
         min_p=sp.min_p,
-        seed=sp.seed,
+        seed=None if sp.seed is None else int64_seed(sp.seed),
         presence_penalty=sp.presence_penalty,
         frequency_penalty=sp.frequency_penalty,
         repetition_penalty=sp.repetition_penalty,

@@ -28,7 +28,14 @@ class InvalidRequestError(ValueError):
 
 MAX_STOP_STRINGS = 128  # every stop string is searched for on every new token
 # torch.Generator.manual_seed accepts [-2**63, 2**64); the wire's int64 fits inside.
+# Seeded sampling uses the seed mod 2**64, so a seed and the int64 with its low 64 bits
+# (``int64_seed``) draw the same tokens.
 SEED_RANGE = (-(2**63), 2**64)
+
+
+def int64_seed(seed: int) -> int:
+    """The int64 (the wire's type) that samples as ``seed`` does: equal mod 2**64."""
+    return (seed + 2**63) % 2**64 - 2**63
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -44,15 +51,19 @@ class SamplingParams:
     """How to pick tokens and when to stop; field names and meanings follow vLLM."""
 
     n: int = 1
-    temperature: float = 1.0  # 0 means greedy
+    # 0 (below 1e-5) means greedy; any finite value is valid: a huge one (1e300) samples
+    # uniformly among the tokens left (the engine computes in float32, saturating).
+    temperature: float = 1.0
     top_p: float = 1.0  # in (0, 1]
     top_k: int | None = None  # None or -1: disabled; else >= 1
     min_p: float = 0.0  # in [0, 1]
     seed: int | None = None  # per-request generator: same tokens whatever the batch
     presence_penalty: float = 0.0  # in [-2, 2]
     frequency_penalty: float = 0.0  # in [-2, 2]
-    repetition_penalty: float = 1.0  # > 0; applies to prompt and output tokens
-    logit_bias: dict[int, float] | None = None  # token id -> added logit
+    # > 0; applies to prompt and output tokens; acts within [1e-30, 1e30] (past that a
+    # seen token's logit saturates anyway).
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id -> added logit (saturates at +-1e30)
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     max_tokens: int | None = 16  # None: up to max_model_len
     min_tokens: int = 0  # EOS and stop tokens are masked until this many are out
