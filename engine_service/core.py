@@ -18,7 +18,7 @@ from engine_service.admission import (
 )
 from engine_service.attention import AttentionMetadata
 from engine_service.config import ConfigError, EngineConfig
-from engine_service.cpu import keep_freed_memory_mapped
+from engine_service.cpu import default_num_threads, keep_freed_memory_mapped
 from engine_service.distributed.executor import TensorParallelExecutor, WorkerDiedError
 from engine_service.distributed.worker import load_shard
 from engine_service.kv_cache.manager import KVCacheManager
@@ -39,6 +39,7 @@ from engine_service.sessions import Sessions
 from engine_service.sleep_mode import SleepMode
 from engine_service.step_observer import StepObserver
 from engine_service.structured_output import StructuredOutputManager
+from engine_service.thread_governor import ThreadGovernor
 from engine_service.validation import RequestValidation
 from kernels.dispatch import get_ops
 from tandem.protocol.model_config import ModelConfig
@@ -71,10 +72,14 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
             raise ConfigError("EngineConfig.model is required: a checkpoint directory")
         self.config = config
         self.engine_index = engine_index
+        self.governor: ThreadGovernor | None = None
         if config.torch_device.type == "cpu":
             keep_freed_memory_mapped()
-            if config.num_threads is not None and config.tensor_parallel_size == 1:
-                torch.set_num_threads(config.num_threads)
+            if config.tensor_parallel_size == 1:
+                threads = config.num_threads or default_num_threads()
+                torch.set_num_threads(threads)
+                if config.adaptive_threads and threads > 1:
+                    self.governor = ThreadGovernor(threads)
         torch.manual_seed(config.seed)
         # Tensor parallelism: this process is rank 0; the workers start loading their
         # shards now, while this one loads its own (the executor also places threads).
@@ -153,7 +158,7 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
         )
         self.scheduler.pre_schedule_hooks.append(self.structured.end_failed)
         self.admission = AdmissionController(self._admission_limits())
-        self.observer = StepObserver(self.scheduler, self.admission.drain_rate)
+        self.observer = StepObserver(self.scheduler, self.admission.drain_rate, self.governor)
         self.sleep_level = 0  # 0: awake; 1: KV cache released; 2: weights released too
         self.profiler = Profiler(config.profiler_dir, engine_index)
         if config.torch_device.type == "cuda" and config.resolved_attention_backend == "triton":

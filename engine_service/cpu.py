@@ -6,6 +6,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import os
 
 logger = logging.getLogger(__name__)
 
@@ -69,3 +70,71 @@ def release_free_memory() -> bool:
     except AttributeError:  # not glibc
         return False
     return True
+
+
+def cpu_quota(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> float | None:
+    """CPUs' worth of time this process's cgroup may use (its CFS quota / period, the
+    tightest along its path to the root), or None without a quota. Reads cgroup v2
+    (``cpu.max``) and v1 (``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``); a Kubernetes CPU
+    limit or ``docker run --cpus`` is such a quota."""
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    limits: list[float] = []
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hierarchy == "0" and controllers == "":  # v2: one unified tree
+            dirs = [cgroup_root]
+            files = ("cpu.max",)
+        elif "cpu" in controllers.split(","):  # v1: the cpu controller's own mount
+            dirs = [os.path.join(cgroup_root, name) for name in (controllers, "cpu", "cpu,cpuacct")]
+            files = ("cpu.cfs_quota_us", "cpu.cfs_period_us")
+        else:
+            continue
+        for mount in dict.fromkeys(dirs):
+            if os.path.isdir(mount):
+                limits += _quotas_along(mount, path, files)
+                break
+    return min(limits) if limits else None
+
+
+def _quotas_along(mount: str, path: str, files: tuple[str, ...]) -> list[float]:
+    """The quota (CPUs) of every cgroup from ``path`` up to ``mount``'s root that has one."""
+    found: list[float] = []
+    parts = [p for p in path.split("/") if p]
+    for depth in range(len(parts), -1, -1):
+        where = os.path.join(mount, *parts[:depth])
+        try:
+            values = [_read_words(os.path.join(where, name)) for name in files]
+        except OSError:
+            continue
+        if len(files) == 1:  # cpu.max: "QUOTA PERIOD" or "max PERIOD"
+            quota, period = (values[0] + ["100000"])[:2]
+        else:
+            quota, period = values[0][0], values[1][0]
+        if quota not in ("max", "-1") and float(period) > 0:
+            found.append(float(quota) / float(period))
+    return found
+
+
+def _read_words(path: str) -> list[str]:
+    with open(path) as f:
+        return f.read().split()
+
+
+def allowed_cpus() -> float:
+    """CPUs this process may use: the cores of its affinity mask, capped by its cgroup's
+    CPU quota (a fraction where the quota is one: 1.5 in a quota of 150 ms per 100 ms)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = cpu_quota()
+    return float(cores) if quota is None else min(float(cores), quota)
+
+
+def default_num_threads() -> int:
+    """Intra-op threads an engine runs by default: the whole CPUs it may use (at least one).
+    A thread beyond a CPU quota is throttled with its team: every parallel region then
+    waits for it (in a 1.5-CPU quota, one thread, not two)."""
+    return max(1, int(allowed_cpus()))

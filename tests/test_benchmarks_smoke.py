@@ -212,3 +212,16 @@ def test_split_cost_runs_every_path_with_the_same_tokens(tiny_llama_dir: str, tm
         assert run["us_per_token"]["frontend"] > 0 and run["us_per_token"]["engine"] > 0
         if run["mode"] != "http":
             assert run["digest"] == doc["local"]["digest"]
+
+
+def test_contention_benchmark_runs_quiet_and_beside_a_neighbour(tiny_llama_dir: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.contention", "--model", tiny_llama_dir,
+         "--scenarios", "quiet,neighbour", "--num-requests", "3", "--input-len", "8",
+         "--output-len", "4", "--concurrency", "2", "--", "--max-model-len", "256"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    lines = {line.split(":")[0].strip(): line for line in proc.stdout.splitlines() if "tok/s" in line}
+    assert set(lines) == {"quiet", "neighbour"}
+    assert "failed 0" in lines["quiet"] and "x quiet" in lines["neighbour"]

@@ -1,0 +1,179 @@
+"""Serving beside other work: the same load quiet, beside a busy neighbour process pinned
+to one of the engine's cores, and with the whole stack in a CPU quota.
+
+Hosts are shared (``tandem serve`` itself puts a frontend next to its engines) and a
+Kubernetes CPU limit throttles a process the way a neighbour does. Each scenario starts a
+fresh ``tandem serve`` (``serve_bench``'s launcher), runs ``serve_bench``'s client
+against it and prints output tok/s, TTFT p50 / p90 and the ratio to the quiet run:
+
+- ``quiet``: nothing else runs (check ``uptime`` first);
+- ``neighbour``: one busy-looping Python process pinned (``sched_setaffinity``) to the
+  last core the stack may use, for the whole run;
+- ``quota``: the stack in a cgroup whose CPU quota is ``--quota`` CPUs (cgroup v2
+  ``cpu.max`` or v1 ``cpu.cfs_quota_us``; needs root and a writable cgroup mount; the
+  scenario is skipped, saying why, where it cannot make one).
+
+Engine flags go after ``--`` (e.g. ``-- --no-adaptive-threads`` for the fixed team).
+
+    python -m benchmarks.contention --model DIR
+    python -m benchmarks.contention --model DIR --scenarios quiet,neighbour -- --no-adaptive-threads
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+
+from benchmarks.serve_bench import LaunchedStack
+
+SCENARIOS = ("quiet", "neighbour", "quota")
+_CGROUP = "/sys/fs/cgroup"
+
+
+def _spin(core: int) -> None:
+    os.sched_setaffinity(0, {core})
+    while True:
+        pass
+
+
+@contextlib.contextmanager
+def busy_neighbour(core: int) -> Iterator[None]:
+    """One process busy-looping on ``core`` while the block runs."""
+    proc = multiprocessing.get_context("spawn").Process(target=_spin, args=(core,), daemon=True)
+    proc.start()
+    try:
+        yield
+    finally:
+        proc.kill()
+        proc.join()
+
+
+def make_quota_cgroup(cpus: float) -> tuple[str, str] | str:
+    """(path, the file to write a pid into) of a fresh cgroup limited to ``cpus`` CPUs,
+    or the reason none can be made here."""
+    name = f"tandem-contention-{os.getpid()}"
+    period = 100_000
+    quota = int(cpus * period)
+    try:
+        if os.path.exists(os.path.join(_CGROUP, "cgroup.controllers")):  # v2
+            path = os.path.join(_CGROUP, name)
+            os.mkdir(path)
+            with open(os.path.join(path, "cpu.max"), "w") as f:
+                f.write(f"{quota} {period}")
+            return path, os.path.join(path, "cgroup.procs")
+        path = os.path.join(_CGROUP, "cpu", name)  # v1
+        os.mkdir(path)
+        with open(os.path.join(path, "cpu.cfs_period_us"), "w") as f:
+            f.write(str(period))
+        with open(os.path.join(path, "cpu.cfs_quota_us"), "w") as f:
+            f.write(str(quota))
+        return path, os.path.join(path, "cgroup.procs")
+    except OSError as exc:
+        return f"cannot make a cgroup with a CPU quota here ({exc})"
+
+
+def remove_cgroup(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.rmdir(path)
+
+
+def run_client(args: argparse.Namespace, target: str, out: str) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.serve_bench", "--target", target, "--model", args.model,
+           "--num-requests", str(args.num_requests), "--input-len", str(args.input_len),
+           "--output-len", str(args.output_len), "--max-concurrency", str(args.concurrency),
+           "--no-progress", "--json", out]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    with open(out) as f:
+        return json.load(f)["runs"][0]["summary"]
+
+
+def run_scenario(args: argparse.Namespace, scenario: str, engine_args: Sequence[str], tmp: str) -> dict | str:
+    cgroup: tuple[str, str] | str | None = None
+    if scenario == "quota":
+        cgroup = make_quota_cgroup(args.quota)
+        if isinstance(cgroup, str):
+            return cgroup
+    stack = LaunchedStack(args.model, 1, list(engine_args), os.path.join(tmp, f"{scenario}.log"))
+    try:
+        if isinstance(cgroup, tuple):  # the stack's process group, as it starts: serve first
+            with open(cgroup[1], "w") as f:
+                f.write(str(stack.proc.pid))
+        stack.wait_serving(args.launch_timeout)
+        if isinstance(cgroup, tuple):  # and the engine it started (children follow their parent
+            for pid in _descendants(stack.proc.pid):  # only when they start after the move)
+                with contextlib.suppress(OSError), open(cgroup[1], "w") as f:
+                    f.write(str(pid))
+        out = os.path.join(tmp, f"{scenario}.json")
+        if scenario == "neighbour":
+            core = max(os.sched_getaffinity(0))
+            with busy_neighbour(core):
+                time.sleep(0.5)
+                return run_client(args, stack.target, out)
+        return run_client(args, stack.target, out)
+    finally:
+        stack.stop()
+        if isinstance(cgroup, tuple):
+            remove_cgroup(cgroup[0])
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    engine_args: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, engine_args = argv[:i], argv[i + 1:]
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--quota", type=float, default=1.5, help="CPUs of the quota scenario (default 1.5)")
+    p.add_argument("--num-requests", type=int, default=24)
+    p.add_argument("--input-len", type=int, default=200)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--launch-timeout", type=float, default=300.0)
+    args = p.parse_args(argv)
+    print(f"load: {os.getloadavg()[0]:.2f}; engine flags: {' '.join(engine_args) or '(defaults)'}", flush=True)
+    results: dict[str, dict | str] = {}
+    with tempfile.TemporaryDirectory(prefix="tandem-contention-") as tmp:
+        for scenario in args.scenarios.split(","):
+            results[scenario] = run_scenario(args, scenario, engine_args, tmp)
+            summary = results[scenario]
+            if isinstance(summary, str):
+                print(f"{scenario:>10}: skip: {summary}", flush=True)
+                continue
+            quiet = results.get("quiet")
+            ratio = (f"{summary['output_throughput'] / quiet['output_throughput']:.2f}x quiet"
+                     if isinstance(quiet, dict) and scenario != "quiet" else "")
+            ttft = summary["ttft_ms"]
+            print(f"{scenario:>10}: {summary['output_throughput']:7.1f} output tok/s  "
+                  f"TTFT p50 {ttft['p50']:7.0f} ms  p90 {ttft['p90']:7.0f} ms  "
+                  f"failed {summary['failed']}  {ratio}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
