@@ -233,7 +233,54 @@ class EngineConfig:
         },
     )
 
+    # ---- KV transfer between engines (engine_service/kv_transfer/) -------------
+    kv_role: Literal["producer", "consumer", "both"] | None = field(
+        default=None,
+        metadata={
+            "help": "Disaggregated prefill/decode: producer keeps finished requests' KV for "
+            "other engines to pull (serves tandem.v1.KvTransfer); consumer pulls the KV a "
+            "request's kv_transfer_params point at instead of computing it; both. Default: "
+            "none (requests' kv_transfer_params are ignored, with a warning)."
+        },
+    )
+    kv_engine_id: str | None = field(
+        default=None,
+        metadata={
+            "help": "This engine's id in KV transfers; the engine index is appended, so it is "
+            "unique per data-parallel rank. Default: a random id."
+        },
+    )
+    kv_address: str | None = field(
+        default=None,
+        metadata={
+            "help": "host:port at which other engines reach this producer's KvTransfer service "
+            "(its gRPC port). Default: the engine's --host (this host's name when that is a "
+            "wildcard) and --port."
+        },
+    )
+    kv_transfer_timeout_s: float = field(
+        default=30.0,
+        metadata={
+            "help": "Seconds a producer holds a finished request's KV for its consumer before "
+            "freeing it; also a consumer's limit on one pull. Default 30."
+        },
+    )
+
+    def resolved_kv_engine_id(self, engine_index: int) -> str:
+        import uuid
+
+        return f"{self.kv_engine_id or uuid.uuid4().hex[:16]}-{engine_index}"
+
+    def _check_kv_transfer(self) -> None:
+        if self.kv_role is not None and self.kv_role not in ("producer", "consumer", "both"):
+            raise ConfigError(f"kv_role must be producer, consumer or both, got {self.kv_role!r}")
+        if self.kv_role is not None and self.tensor_parallel_size > 1:
+            raise ConfigError("kv_role is not supported with tensor_parallel_size > 1 (the KV cache is sharded)")
+        if not self.kv_transfer_timeout_s > 0:
+            raise ConfigError(f"kv_transfer_timeout_s must be > 0, got {self.kv_transfer_timeout_s}")
+
     def __post_init__(self) -> None:
+        self._check_kv_transfer()
         self._check_positive("max_num_seqs")
         self._check_positive("tensor_parallel_size")
         if self.distributed_backend not in ("auto", "gloo", "nccl"):

@@ -22,6 +22,7 @@ from engine_service.cpu import default_num_threads, keep_freed_memory_mapped
 from engine_service.distributed.executor import TensorParallelExecutor, WorkerDiedError
 from engine_service.distributed.worker import load_shard
 from engine_service.kv_cache.manager import KVCacheManager
+from engine_service.kv_transfer import CacheLayout, KvConnector, NoConnector
 from engine_service.lora import LoRAManager
 from engine_service.lora.engine_api import LoRAUtilities
 from engine_service.model_runner import (
@@ -65,13 +66,18 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
 
     supported_tasks: tuple[str, ...] = ("generate", "embed")  # vLLM's get_supported_tasks()
 
-    def __init__(self, config: EngineConfig, engine_index: int = 0, tracer: Any = None) -> None:
+    def __init__(
+        self, config: EngineConfig, engine_index: int = 0, tracer: Any = None, kv_connector: KvConnector | None = None
+    ) -> None:
         """``tracer``: an OpenTelemetry tracer to record the start-up phases (model load,
-        KV-cache sizing and allocation) as spans under the current span; None: no spans."""
+        KV-cache sizing and allocation) as spans under the current span; None: no spans.
+        ``kv_connector``: moves KV between engines (kv_transfer/); None: the one
+        ``config.kv_role`` asks for (over gRPC, no engine token), or none."""
         if not config.model:
             raise ConfigError("EngineConfig.model is required: a checkpoint directory")
         self.config = config
         self.engine_index = engine_index
+        self.kv_connector = kv_connector or _default_connector(config, engine_index)
         self.governor: ThreadGovernor | None = None
         if config.torch_device.type == "cpu":
             keep_freed_memory_mapped()
@@ -145,6 +151,7 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
             policy=config.scheduling_policy,
             enable_chunked_prefill=config.enable_chunked_prefill,
             lora=self.lora,
+            kv_connector=self.kv_connector,
         )
         self.structured = StructuredOutputManager(
             config.model,
@@ -155,6 +162,12 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
         self.runner = ModelRunner(
             config, self.model, self.model_config, kv_caches, self.kv_manager, self.structured, self.lora,
             self.executor, max_blocks_per_seq=-(-self.max_model_len // config.block_size),
+        )
+        mc = self.shard_config
+        self.kv_connector.register_kv_caches(
+            lambda: self.runner.kv_caches,
+            CacheLayout(str(config.torch_dtype).removeprefix("torch."), mc.num_layers, config.block_size,
+                        mc.num_kv_heads, mc.head_dim),
         )
         self.scheduler.pre_schedule_hooks.append(self.structured.end_failed)
         self.admission = AdmissionController(self._admission_limits())
@@ -318,6 +331,13 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
             self._resume_session(req)
             return
         self.validate_request(req)
+        if req.kv_transfer_params is not None and isinstance(self.kv_connector, NoConnector):
+            # As the reference: the request runs, its transfer is dropped.
+            logger.warning(
+                "request %s has kv_transfer_params but this engine has no KV connector "
+                "(--kv-role): ignored", req.request_id,
+            )
+            req.kv_transfer_params = None
         if req.request_id in self.scheduler.requests:
             raise InvalidRequestError("request_id", req.request_id, "a request with this id is running")
         if req.lora_request is not None:
@@ -359,6 +379,7 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
     def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
         if sched.is_empty:
             self.structured.wait_if_idle()
+            self.kv_connector.wait_if_idle()
             return RunnerOutput()
         if self.executor is None:
             return self.runner.execute(sched)
@@ -368,6 +389,11 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
             raise
         except Exception as exc:  # the ranks are out of step now: the engine is done
             raise self.executor.fail(exc) from exc
+
+    def idle_tick(self) -> None:
+        """Housekeeping while no request runs (the loop calls it when woken or every
+        second): held KV transfers pulled or expired give their blocks back."""
+        self.scheduler.update_kv_transfers()
 
     def check_health(self) -> None:
         """Raise WorkerDiedError when a tensor-parallel worker died (the core is dead)."""
@@ -384,6 +410,8 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
             self.executor.shutdown(graceful)
         if getattr(self, "structured", None) is not None:
             self.structured.close()
+        if getattr(self, "kv_connector", None) is not None:
+            self.kv_connector.close()
         runner = getattr(self, "runner", None)
         if runner is not None:
             runner.release_cuda_graphs()
@@ -439,6 +467,7 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
                     error=request.error,  # why a request the step ended with ERROR failed
                     # Echoed once, on the final output (not on every step).
                     trace_headers=request.trace_headers if request.finish_reason is not None else None,
+                    kv_transfer_params=request.kv_transfer_out,
                 )
             )
         columns = None
@@ -494,6 +523,17 @@ def warm_up_shapes(
         and seqs * tokens <= max_num_batched_tokens
         and max(tokens, (width - 1) * block_size + 1) <= max_model_len
     ]
+
+
+def _default_connector(config: EngineConfig, engine_index: int) -> KvConnector:
+    if config.kv_role is None:
+        return NoConnector()
+    from engine_service.kv_transfer.grpc_connector import GrpcKvConnector
+
+    return GrpcKvConnector(
+        config.kv_role, config.resolved_kv_engine_id(engine_index), config.kv_address or "",
+        config.block_size, config.kv_transfer_timeout_s,
+    )
 
 
 def _phase(tracer: Any, name: str) -> contextlib.AbstractContextManager[Any]:

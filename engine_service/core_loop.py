@@ -54,6 +54,7 @@ class InputType(enum.Enum):
     ABORT = enum.auto()
     UTILITY = enum.auto()
     SHUTDOWN = enum.auto()
+    WAKE = enum.auto()  # no payload: run the idle housekeeping (core.idle_tick) now
 
 
 @dataclass
@@ -113,6 +114,13 @@ def _collective_rpc(core: EngineCore, method: str, *args: Any) -> list[Any]:
 UTILITY_METHODS["collective_rpc"] = _collective_rpc
 
 
+def _idle_tick(core: EngineCore) -> None:
+    """The core's housekeeping while idle (held KV transfers), where it has one."""
+    tick = getattr(core, "idle_tick", None)
+    if tick is not None:
+        tick()
+
+
 class EngineCoreLoop:
     """``make_core`` runs first on the loop thread; ``started`` resolves to its core."""
 
@@ -169,6 +177,11 @@ class EngineCoreLoop:
     def call_utility(self, call: UtilityCall) -> None:
         self.inputs.put((InputType.UTILITY, call))
 
+    def wake(self) -> None:
+        """From any thread: an idle loop runs its housekeeping soon (a KV transfer was
+        pulled or loaded)."""
+        self.inputs.put((InputType.WAKE, None))
+
     def shutdown(self, timeout: float | None = 10.0) -> None:
         self.inputs.put((InputType.SHUTDOWN, None))
         if self._thread.is_alive():
@@ -186,6 +199,9 @@ class EngineCoreLoop:
         except BaseException as exc:  # start-up failed: the starter gets the error
             self.started.set_exception(exc)
             return
+        connector = getattr(core, "kv_connector", None)  # test doubles of the core have none
+        if connector is not None:
+            connector.set_wake(self.wake)
         self.started.set_result(core)
         try:
             self._loop(core)
@@ -208,6 +224,7 @@ class EngineCoreLoop:
                 self._emit(core.step())
                 self._beat(core)  # before it may block: an idle loop is not busy
             else:
+                _idle_tick(core)
                 idle = core.take_abort_outputs()
                 if idle is not None:
                     self._emit(idle)
@@ -249,6 +266,7 @@ class EngineCoreLoop:
                 return self.inputs.get(timeout=HEALTH_POLL_S)
             except queue.Empty:
                 core.check_health()
+                _idle_tick(core)
 
     def _apply(self, core: EngineCore, kind: InputType, payload: Any) -> None:
         if kind is InputType.ADD:

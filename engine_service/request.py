@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from typing import Any
 
 import torch
 
+from tandem.protocol.kv_transfer import KvTransferParams
 from tandem.protocol.lora import LoRARequest
 from tandem.protocol.outputs import EngineCoreRequest, FinishReason, RequestError
 from tandem.protocol.pooling_params import PoolingParams
@@ -20,6 +22,9 @@ class RequestStatus(enum.Enum):
     PREEMPTED = enum.auto()
     FINISHED = enum.auto()
     IDLE = enum.auto()  # a session between turns: blocks kept, not scheduled
+    # Blocks allocated, their KV being pulled from another engine (kv_transfer/):
+    # not in the waiting queue, takes no step; back in it once the load ends.
+    WAITING_FOR_REMOTE_KV = enum.auto()
 
 
 class RequestTimes:
@@ -123,6 +128,7 @@ class Request:
         lora_request: LoRARequest | None = None,
         resumable: bool = False,
         generated_token_ids: list[int] | None = None,
+        kv_transfer_params: KvTransferParams | None = None,
     ) -> None:
         """``generated_token_ids``: a continuation's output so far (request migration):
         computed like a preempted request's, counted as output."""
@@ -168,6 +174,13 @@ class Request:
         # preemption restarts the prompt).
         self.pooling_params = pooling_params
         self.pooling_state: torch.Tensor | None = None  # MEAN: running sum; CLS: first state
+        # KV transfer (engine_service/kv_transfer): this engine's copy of the request's
+        # params (the connector marks a pull as tried on it); and what a producer
+        # returns in the last output.
+        self.kv_transfer_params = (
+            None if kv_transfer_params is None else dataclasses.replace(kv_transfer_params)
+        )
+        self.kv_transfer_out: KvTransferParams | None = None
 
     def resume(self, new_token_ids: list[int], params: SamplingParams, now: float) -> None:
         """Start a session's next turn: the history (prompt and output so far) plus
@@ -202,6 +215,7 @@ class Request:
             lora_request=req.lora_request,
             resumable=req.resumable,
             generated_token_ids=req.generated_token_ids,
+            kv_transfer_params=req.kv_transfer_params,
         )
 
     @property

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 from engine_service.admission import PrefillBound
 from engine_service.kv_cache.manager import KVCacheManager
+from engine_service.kv_transfer import KvConnector, NoConnector
+from engine_service.kv_transfer.scheduling import KvTransferScheduling
 from engine_service.request import Request, RequestStatus
 from engine_service.structured_output import Advance
 from engine_service.waiting_queue import WaitingQueue
@@ -18,6 +20,7 @@ from tandem.protocol.outputs import ErrorCode, FinishReason, RequestError, Sched
 from tandem.protocol.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from engine_service.kv_cache.block_pool import KVCacheBlock
     from engine_service.lora import LoRAManager
 
 __all__ = ["ScheduledRequest", "Scheduler", "SchedulerOutput", "WaitingQueue"]
@@ -45,7 +48,7 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-class Scheduler:
+class Scheduler(KvTransferScheduling):
     def __init__(
         self,
         kv_manager: KVCacheManager,
@@ -55,8 +58,15 @@ class Scheduler:
         policy: str = "fcfs",
         enable_chunked_prefill: bool = True,
         lora: LoRAManager | None = None,
+        kv_connector: KvConnector | None = None,
     ) -> None:
         self.kv = kv_manager
+        # KV transfer between engines (kv_transfer/base.py names the hooks called here).
+        self.connector = kv_connector or NoConnector()
+        # Requests whose KV is being loaded (WAITING_FOR_REMOTE_KV), and the blocks of
+        # those that ended meanwhile: freed only once their load is over.
+        self._loading: dict[str, Request] = {}
+        self._orphans: dict[str, list[KVCacheBlock]] = {}
         # With LoRA on: a waiting request is admitted only once its adapter has a slot.
         self.lora = lora
         self.max_num_seqs = max_num_seqs
@@ -123,10 +133,7 @@ class Scheduler:
             request = self.requests.get(rid)
             if request is None or request.is_finished:
                 continue
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
-            else:
-                self.waiting.remove(request)
+            self._unqueue(request)
             self._finish(request, reason, now=now, error=error)
             done.append(request)
         return done
@@ -140,13 +147,32 @@ class Scheduler:
         now: float,
         error: RequestError | None = None,
     ) -> None:
+        rid = request.request_id
+        if request.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            del self._loading[rid]  # its blocks may still be written: freed when the load ends
+            self.connector.cancel_load(rid)
+            self._orphans[rid] = self.kv.take_blocks(request)
+        else:
+            hold, params = self.connector.request_finished(request, reason, self.kv.req_blocks.get(rid, []))
+            if hold:  # the connector keeps the blocks for another engine
+                self.kv.take_blocks(request)
+                request.kv_transfer_out = params
+            else:
+                self.kv.free(request)
         request.times.finished = now
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
         request.error = error
-        self.kv.free(request)
-        del self.requests[request.request_id]
+        del self.requests[rid]
+
+    def _unqueue(self, request: Request) -> None:
+        """Take a request out of the running list or the waiting queue (a loading one is
+        in neither: ``_finish`` handles it)."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status != RequestStatus.WAITING_FOR_REMOTE_KV:
+            self.waiting.remove(request)
 
     @property
     def num_unfinished(self) -> int:
@@ -201,10 +227,7 @@ class Scheduler:
                 expired.append(request)
                 continue
             where = "running" if request.status == RequestStatus.RUNNING else "waiting"
-            if where == "running":
-                self.running.remove(request)
-            else:
-                self.waiting.remove(request)
+            self._unqueue(request)
             error = RequestError(
                 ErrorCode.DEADLINE_EXCEEDED,
                 f"the request's deadline passed while it was {where} "
@@ -275,6 +298,7 @@ class Scheduler:
         self._ended += self.expire(self._step_start)
         for hook in self.pre_schedule_hooks:
             self._ended += hook(self)
+        self.update_kv_transfers()
         budget = self.max_num_batched_tokens
         for request in list(self.running):
             if budget <= 0:
@@ -328,6 +352,14 @@ class Scheduler:
             pooling = request.pooling_params
             if request.num_computed_tokens == 0 and not (pooling and pooling.skips_prefix_cache):
                 hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            if request.num_computed_tokens == 0 and pooling is None:
+                num_external = self.connector.get_num_external_tokens(request, num_hit_tokens)
+                if num_external:
+                    if self._start_load(request, hits, num_hit_tokens, num_external):
+                        continue
+                    if self._evict_idle_session():
+                        continue
+                    break
             n = request.num_tokens - request.num_computed_tokens - num_hit_tokens
             if self._shed_if_late(request, n):
                 continue
@@ -465,7 +497,7 @@ class Scheduler:
         preemptions, self._num_preemptions = self._num_preemptions, 0
         return SchedulerStats(
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + len(self._loading),
             kv_cache_usage=self.kv.usage,
             prefix_cache_queries=cache.queries,
             prefix_cache_hits=cache.hits,

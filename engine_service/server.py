@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 from dataclasses import dataclass, field
 
 from grpc_health.v1 import health, health_pb2_grpc
@@ -25,6 +26,9 @@ from engine_service.config import EngineConfig
 from engine_service.core import EngineCore
 from engine_service.core_loop import EngineCoreLoop
 from engine_service.cpu import keep_freed_memory_mapped
+from engine_service.kv_transfer.grpc_connector import GrpcKvConnector
+from engine_service.kv_transfer.service import SERVICE_NAME as KV_SERVICE_NAME
+from engine_service.kv_transfer.service import KvTransferServicer
 from engine_service.lifecycle import add_lifecycle_cli, run_until_stopped
 from engine_service.metrics import EngineMetrics, StatsLogger
 from engine_service.servicer import MESSAGE_LIMITS, SERVICE_NAME, EngineServicer
@@ -41,14 +45,16 @@ from tandem.protocol.outputs import (
 )
 from tandem.protocol.sampling_params import SamplingParams
 from tandem.security import (
+    EngineChannelSecurity,
     SecurityConfigError,
     ServerSecurity,
+    TlsFiles,
     add_server_security_cli,
     server_security_from_args,
 )
 from tandem.signals import StopSignals
 from tandem.telemetry import Tracing
-from tandem.v1 import engine_pb2_grpc
+from tandem.v1 import engine_pb2_grpc, kv_transfer_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
@@ -102,11 +108,16 @@ async def serve_engine(
     """
     metrics_server = None
     metrics = None
+    kv_connector = _kv_connector(engine_config, server_config, tracing)
     if server_config.metrics_port:
         from prometheus_client import CollectorRegistry
 
         registry = CollectorRegistry()
         metrics = EngineMetrics(registry, server_config.engine_index)
+        if kv_connector is not None:
+            from engine_service.kv_transfer.observe import KvTransferCollector
+
+            registry.register(KvTransferCollector(kv_connector, server_config.engine_index))
         metrics_server = telemetry.start_metrics_server(
             registry, server_config.host, server_config.metrics_port
         )
@@ -116,7 +127,7 @@ async def serve_engine(
         else None
     )
     try:
-        return await _serve_engine(engine_config, server_config, tracing, metrics, stats_logger)
+        return await _serve_engine(engine_config, server_config, tracing, metrics, stats_logger, kv_connector)
     finally:
         if metrics_server is not None:
             metrics_server.shutdown()
@@ -128,6 +139,7 @@ async def _serve_engine(
     tracing: Tracing | None,
     metrics: EngineMetrics | None,
     stats_logger: StatsLogger | None,
+    kv_connector: GrpcKvConnector | None = None,
 ) -> int:
     health_servicer = health.aio.HealthServicer()
     server = ServiceServer(
@@ -136,8 +148,15 @@ async def _serve_engine(
         health_port=server_config.health_port,
     )
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    server.enable_reflection((SERVICE_NAME, VLLM_SERVICE_NAME))
     bound = server.port
+    services = [SERVICE_NAME, VLLM_SERVICE_NAME]
+    if kv_connector is not None and kv_connector.produces:
+        if not kv_connector.address:
+            kv_connector.address = _advertised_address(server_config.host, bound)
+        kv_transfer_pb2_grpc.add_KvTransferServicer_to_server(KvTransferServicer(lambda: kv_connector), server)
+        services.append(KV_SERVICE_NAME)
+        logger.info("engine %d serves its KV to consumers at %s", server_config.engine_index, kv_connector.address)
+    server.enable_reflection(services)
     sec = server_config.security
     if not (sec.engine_token or sec.tls.ca) and server_config.host not in LOOPBACK_HOSTS:
         logger.warning(
@@ -164,7 +183,7 @@ async def _serve_engine(
     )
 
     def build_core() -> EngineCore:  # on the loop thread: see core_loop's docstring
-        core = EngineCore(engine_config, server_config.engine_index, tracer)
+        core = EngineCore(engine_config, server_config.engine_index, tracer, kv_connector=kv_connector)
         with tracer.start_as_current_span("warm_up") if tracer is not None else contextlib.nullcontext():
             _warm_up(core)
         core.kv_manager.pool.events = kv_events  # after the warm-up: its blocks are no news
@@ -187,6 +206,37 @@ async def _serve_engine(
     if status == 0:  # a dead or hung loop thread is never joined
         engine_loop.shutdown()
     return status
+
+
+def _kv_connector(
+    engine_config: EngineConfig, server_config: EngineServerConfig, tracing: Tracing | None
+) -> GrpcKvConnector | None:
+    """The engine's KV connector (--kv-role), None without one. It reaches producers
+    with this engine's own credentials: its --engine-token, and with --tls-ca its
+    certificate as the client certificate and that CA as the trust root (an engine
+    fleet shares them)."""
+    if engine_config.kv_role is None:
+        return None
+    sec = server_config.security
+    connector = GrpcKvConnector(
+        engine_config.kv_role,
+        engine_config.resolved_kv_engine_id(server_config.engine_index),
+        engine_config.kv_address or "",
+        engine_config.block_size,
+        engine_config.kv_transfer_timeout_s,
+        EngineChannelSecurity(
+            tls=TlsFiles(sec.tls.cert, sec.tls.key, sec.tls.ca, flag_prefix="--tls"), engine_token=sec.engine_token
+        ),
+    )
+    connector.tracing = tracing
+    return connector
+
+
+def _advertised_address(host: str, port: int) -> str:
+    """host:port other engines reach this one at: a wildcard host means this host's name."""
+    if host in ("0.0.0.0", "::", "[::]", ""):
+        host = socket.gethostname()
+    return f"{host}:{port}"
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:

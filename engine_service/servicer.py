@@ -504,6 +504,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             device=str(cfg.torch_device),
             draining=self.draining,
             accepts_input_batches=True,
+            kv_role=core.kv_connector.role or "",
         )
 
     async def ResetPrefixCache(

@@ -45,6 +45,7 @@ class SleepMode:
             )
         if level <= self.sleep_level:
             return
+        self.scheduler.drop_kv_transfers()  # KV held for other engines goes with the cache
         self.kv_manager.reset_prefix_cache()
         if self.executor is not None:
             self.executor.sleep(level)

@@ -38,6 +38,8 @@ class RequestValidation:
             self._check_continuation(req)
         if req.resumable:
             self._check_session(req)
+        if req.kv_transfer_params is not None:
+            self._check_kv_transfer(req)
         if req.pooling_params is not None:
             req.pooling_params.validate(self.model_config.hidden_size)
         else:
@@ -69,6 +71,21 @@ class RequestValidation:
                 field, f"<{len(generated)} tokens>", f"already max_tokens={params.max_tokens} tokens: nothing left"
             )
         self._check_token_ids(field, generated)
+
+    def _check_kv_transfer(self, req: EngineCoreRequest) -> None:
+        """Transfer params a consumer could act on must be whole (kv_transfer.proto)."""
+        params = req.kv_transfer_params
+        assert params is not None
+        if req.pooling_params is not None or req.resumable:
+            raise InvalidRequestError(
+                "kv_transfer_params", "<params>", "a KV transfer takes no pooling or session request"
+            )
+        if params.do_remote_prefill:
+            params.validate_remote()
+            if params.num_tokens > len(req.prompt_token_ids) + len(req.generated_token_ids):
+                raise InvalidRequestError(
+                    "kv_transfer_params.num_tokens", params.num_tokens, "is more than the request's tokens"
+                )
 
     def _check_token_ids(self, field: str, ids: Sequence[int]) -> None:
         """Every id of the non-empty ``ids`` in the vocabulary; the error names the index."""

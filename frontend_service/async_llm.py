@@ -28,6 +28,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from frontend_service.admission import PendingLimit, RequestFailedError, deadline_exceeded
 from frontend_service.control import RequestControl
+from frontend_service.disaggregation import Disaggregation
 from frontend_service.engine_client import (
     EngineConnection,
     EngineUnavailableError,
@@ -97,7 +98,9 @@ class _Stream:
         self.rounds.clear()
 
 
-class AsyncLLM(EngineUtilities, Pooling, Sessions, Migration, RequestControl, RequestObservation):
+class AsyncLLM(
+    EngineUtilities, Pooling, Sessions, Migration, Disaggregation, RequestControl, RequestObservation
+):
     def __init__(
         self,
         tokenizer: Any,
@@ -110,9 +113,12 @@ class AsyncLLM(EngineUtilities, Pooling, Sessions, Migration, RequestControl, Re
         tracing: Tracing | None = None,
         admission: PendingLimit | None = None,
         migration: MigrationConfig | None = None,
+        disaggregated: bool = False,
     ) -> None:
         """``admission``: the bound on requests in progress (None: unbounded);
-        ``migration``: what happens to requests of a lost engine (default: they move on)."""
+        ``migration``: what happens to requests of a lost engine (default: they move on);
+        ``disaggregated``: prefill on a producer engine, decode on a consumer
+        (disaggregation.py)."""
         self.tokenizer = tokenizer
         self.engines = engines
         self.input_processor = input_processor
@@ -137,12 +143,15 @@ class AsyncLLM(EngineUtilities, Pooling, Sessions, Migration, RequestControl, Re
         self._num_pooling = 0  # pooling requests in flight (frontend_service/pooling.py)
         self.loras = LoraRegistry(engines)  # LoRA adapters across the engines, by name
         self.closed = False  # shutdown() was called
+        self.disaggregated = disaggregated
+        self._prefilling: dict[str, EngineConnection] = {}
 
     # ---- engine callbacks (run on the event loop) ----------------------------------
 
     def on_engine_outputs(self, engine: EngineConnection, outs: EngineCoreOutputs) -> None:
         outputs = outs.outputs
         columns = outs.token_columns
+        handoffs = self._take_prefills(engine, outputs) if self._prefilling and outputs else None
         if outputs and (self._moved or any(o.finish_reason == FinishReason.ERROR for o in outputs)):
             outputs = self._route_failures(engine, outputs)
         if columns is not None and self._moved:
@@ -168,6 +177,8 @@ class AsyncLLM(EngineUtilities, Pooling, Sessions, Migration, RequestControl, Re
                     stream.rounds.append(outputs_round)
         if processed.reqs_to_abort:
             engine.abort(processed.reqs_to_abort)  # stop strings matched
+        for request_id, params in handoffs or ():
+            self._hand_off(engine, request_id, params)  # prefill done: decode elsewhere
 
     def on_engine_dead(self, engine: EngineConnection, reason: str) -> None:
         """Move every request of the dead engine to another one (migration.py), or fail
@@ -293,6 +304,7 @@ class AsyncLLM(EngineUtilities, Pooling, Sessions, Migration, RequestControl, Re
         for rid in stream.engine_request_ids:
             self._owner.pop(rid, None)
             self._moved.discard(rid)
+            self._prefilling.pop(rid, None)
 
     def _fail(self, internal_id: str, stream: _Stream, exc: BaseException) -> None:
         result = self.output_processor.abort_requests([internal_id])
@@ -382,7 +394,8 @@ class AsyncLLM(EngineUtilities, Pooling, Sessions, Migration, RequestControl, Re
             if self._observing:
                 for req in processed.engine_requests:
                     self._seq_times[req.request_id] = SequenceTimes(arrival, len(req.prompt_token_ids))
-            engine = self.engines.pick(processed.engine_requests[0])
+            prefill = self._prefill_engine(processed)
+            engine = prefill or self.engines.pick(processed.engine_requests[0])
             stream = _Stream(
                 asyncio.Queue(), engine, [r.request_id for r in processed.engine_requests],
                 requests=processed.engine_requests,
@@ -392,7 +405,10 @@ class AsyncLLM(EngineUtilities, Pooling, Sessions, Migration, RequestControl, Re
             self.output_processor.add_processed(processed)
             self._track(internal_id, stream)
             try:
-                self._send(stream, engine)
+                if prefill is not None:
+                    self._send_prefill(stream, prefill)
+                else:
+                    self._send(stream, engine)
                 delta = processed.sampling_params.output_kind == RequestOutputKind.DELTA
                 pending: RequestOutput | BaseException | None = None
                 while True:

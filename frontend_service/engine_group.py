@@ -367,11 +367,17 @@ class EngineGroup:
         return bool(self.placeable())
 
     def pick(
-        self, request: EngineCoreRequest | None = None, exclude: Collection[EngineConnection] = ()
+        self,
+        request: EngineCoreRequest | None = None,
+        exclude: Collection[EngineConnection] = (),
+        kv_roles: Collection[str] | None = None,
     ) -> EngineConnection:
         """The engine for a new request (``request``: its prompt, for prefix-aware placement),
-        leaving out ``exclude`` (engines that already refused it)."""
+        leaving out ``exclude`` (engines that already refused it); ``kv_roles``: only
+        engines with one of these KV roles (GetEngineInfoResponse.kv_role)."""
         live = [e for e in self.placeable() if e not in exclude]
+        if kv_roles is not None:
+            live = [e for e in live if e.info is not None and e.info.kv_role in kv_roles]
         if not live:
             reasons = "; ".join(
                 e.dead_reason or f"{e.address}: {self.state_of(e).value}" for e in self.engines

@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 from frontend_service import admin
 from frontend_service.admission import DEFAULT_MAX_PENDING_REQUESTS, PendingLimit
 from frontend_service.async_llm import AsyncLLM
+from frontend_service.disaggregation import add_disaggregated_cli
 from frontend_service.discovery import InvalidTargetError, parse_target
 from frontend_service.engine_client import (
     EngineConnection,
@@ -96,6 +97,8 @@ class FrontendConfig:
     discovery_interval: float = DEFAULT_DISCOVERY_INTERVAL  # seconds between dns:/// and file:/// lookups
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     migration: MigrationConfig = field(default_factory=MigrationConfig)  # requests of a lost engine
+    # Prefill on a producer engine, decode on a consumer (frontend_service/disaggregation.py).
+    disaggregated: bool = False
     # Flow control of the engines' outputs: window and interval (engine_client.OutputFlow).
     engine_output: OutputFlow = field(default_factory=OutputFlow)
     # Share --port and --http-port with this user's other frontend processes
@@ -238,6 +241,7 @@ async def _serve_frontend(
         tokenizer, group, processor, config.client_index,
         model_name=model_name, metrics=metrics, tracing=tracing,
         admission=PendingLimit(config.max_pending_requests), migration=config.migration,
+        disaggregated=config.disaggregated,
     )
     holder["llm"] = llm
     await llm.loras.refresh()  # the engines' --lora-modules, selectable by name
@@ -384,6 +388,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     add_engine_channel_cli(p)
     add_migration_cli(p)
     add_output_flow_cli(p)
+    add_disaggregated_cli(p)
     p.add_argument("--reuse-port", action="store_true",
                    default=env("TANDEM_REUSE_PORT", "0").lower() in ("1", "true", "yes", "on"),
                    help="Share --port and --http-port with other frontend processes of this user that "
@@ -430,6 +435,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         discovery_interval=args.discovery_interval,
         placement=PlacementConfig(policy=PlacementPolicy(args.placement)),
         migration=migration_config_from_args(args),
+        disaggregated=args.disaggregated,
         engine_output=output_flow_from_args(args),
         reuse_port=args.reuse_port,
     )

@@ -10,7 +10,8 @@ Torch-free; both services use it. Every RPC has an ``Access`` class, looked up i
 - ``ADMIN``: operators. On the public port only with ``authorization: Bearer <admin token>``
   when ``--admin-token`` is set, and refused there when it is not; on the loopback
   ``--admin-port`` listener always allowed (it trusts every local process).
-- ``FRONTEND``: the engine's Stream and GetEngineInfo, for frontends only. With
+- ``FRONTEND``: the engine's Stream and GetEngineInfo, for frontends only, and the
+  KvTransfer service, for other engines (they present the same credentials). With
   ``--engine-token`` set they need ``x-tandem-engine-token: <token>``; with ``--tls-ca``
   the TLS handshake already refused any client without a certificate signed by that CA.
 
@@ -53,6 +54,9 @@ METHOD_ACCESS: Mapping[str, Access] = {
     # Utility calls ride on Stream, so only authenticated frontends can make them.
     "tandem.v1.EngineCore/Stream": Access.FRONTEND,
     "tandem.v1.EngineCore/GetEngineInfo": Access.FRONTEND,
+    # KV transfer between engines (disaggregated prefill/decode): a consumer engine
+    # pulling from a producer presents the engine token (and certificate) as frontends do.
+    "tandem.v1.KvTransfer": Access.FRONTEND,
     # vLLM's gRPC protocol (engine_service/vllm_grpc): a gateway such as SMG is a frontend;
     # what changes the engine's state for everyone is for operators.
     "vllm.grpc.engine.VllmEngine": Access.FRONTEND,

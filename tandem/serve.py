@@ -56,6 +56,14 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                    help="Local checkpoint directory (env TANDEM_MODEL); default: the demo model.")
     p.add_argument("--engines", type=int, default=int(env("TANDEM_NUM_ENGINES", "1")),
                    help="Number of engine processes (env TANDEM_NUM_ENGINES).")
+    p.add_argument("--prefill-engines", type=int, default=int(env("TANDEM_PREFILL_ENGINES", "0")),
+                   help="Disaggregated prefill and decode: this many engines prefill (--kv-role "
+                        "producer) and --decode-engines decode (--kv-role consumer, pulling the KV), "
+                        "instead of --engines; the frontends run --disaggregated (env "
+                        "TANDEM_PREFILL_ENGINES; default 0: aggregated).")
+    p.add_argument("--decode-engines", type=int, default=int(env("TANDEM_DECODE_ENGINES", "0")),
+                   help="With --prefill-engines: the number of decode engines (env TANDEM_DECODE_ENGINES; "
+                        "default 0).")
     p.add_argument("--frontends", "--api-server-count", dest="frontends", type=positive_int,
                    default=positive_int(env("TANDEM_FRONTENDS", "1")),
                    help="Frontend processes sharing --port and --http-port (the kernel spreads client "
@@ -163,6 +171,8 @@ def frontend_processes(args: argparse.Namespace, model: str, engines: list[str])
                 "--connect-timeout", str(args.connect_timeout),
                 "--engine-output-window", str(args.engine_output_window),
                 "--engine-output-interval-ms", str(args.engine_output_interval_ms)]
+        if args.prefill_engines:
+            argv.append("--disaggregated")
         children.append(EngineProcess(i, f"{host}:{health_port}", argv, env, kind="frontend"))
     return children
 
@@ -184,7 +194,22 @@ def _check_ports(args: argparse.Namespace) -> None:
             ports.ensure_free(ENGINE_HOST, args.engine_metrics_base_port + i, f"engine {i} metrics")
 
 
+def kv_roles(args: argparse.Namespace) -> list[str | None]:
+    """Each engine's --kv-role: producers first, then consumers; None (aggregated) each
+    without --prefill-engines. Sets ``args.engines`` to their number."""
+    if not (args.prefill_engines or args.decode_engines):
+        return [None] * args.engines
+    if args.prefill_engines < 1 or args.decode_engines < 1:
+        raise UsageError(
+            "--prefill-engines and --decode-engines go together, each >= 1, got "
+            f"{args.prefill_engines} and {args.decode_engines}"
+        )
+    args.engines = args.prefill_engines + args.decode_engines
+    return ["producer"] * args.prefill_engines + ["consumer"] * args.decode_engines
+
+
 def run_cli(args: argparse.Namespace) -> int:
+    roles = kv_roles(args)
     if args.engines < 1:
         raise UsageError(f"--engines must be >= 1, got {args.engines}")
     _check_ports(args)
@@ -200,7 +225,8 @@ def run_cli(args: argparse.Namespace) -> int:
     for i in range(args.engines):
         port = args.engine_base_port + i
         metrics_port = args.engine_metrics_base_port + i if args.engine_metrics_base_port else 0
-        argv = engine_command(model, port, i, extra, threads, metrics_port)
+        role = [] if roles[i] is None or "--kv-role" in extra else ["--kv-role", roles[i]]
+        argv = engine_command(model, port, i, extra + role, threads, metrics_port)
         engines.append(EngineProcess(i, f"{ENGINE_HOST}:{port}", argv, env))
     policy = RestartPolicy(args.restart_backoff, args.restart_backoff_max)
     supervisor = EngineSupervisor(engines, policy)
@@ -250,7 +276,8 @@ async def _serve(
                                                     api_keys=api_keys_from_args(args)),
                             engine_channel=EngineChannelSecurity(engine_token=args.engine_token),
                             drain_timeout=args.drain_timeout, migration=migration_config_from_args(args),
-                            engine_output=output_flow_from_args(args), reuse_port=frontends is not None)
+                            engine_output=output_flow_from_args(args), reuse_port=frontends is not None,
+                            disaggregated=bool(args.prefill_engines))
     admin = f", admin on 127.0.0.1:{admin_port}" if admin_port else ""
     if args.http_port:
         admin += f", OpenAI-compatible API on http{'s' if args.tls_cert else ''}://{args.host}:{args.http_port}/v1"

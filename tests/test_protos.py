@@ -20,6 +20,8 @@ from tandem.v1 import (
     engine_pb2_grpc,
     frontend_pb2,
     frontend_pb2_grpc,
+    kv_transfer_pb2,
+    kv_transfer_pb2_grpc,
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -32,6 +34,7 @@ COMMITTED: dict[str, ModuleType] = {
     "tandem/v1/common.proto": common_pb2,
     "tandem/v1/engine.proto": engine_pb2,
     "tandem/v1/frontend.proto": frontend_pb2,
+    "tandem/v1/kv_transfer.proto": kv_transfer_pb2,
 }
 
 
@@ -74,6 +77,9 @@ def test_stubs_import_and_expose_services() -> None:
     assert stream.input_type.full_name == "tandem.v1.EngineCoreInput"
     assert stream.output_type.full_name == "tandem.v1.EngineCoreOutputs"
     assert {"GetEngineInfo", "ResetPrefixCache"} <= set(engine.methods_by_name)
+    assert hasattr(kv_transfer_pb2_grpc, "add_KvTransferServicer_to_server")
+    pull = kv_transfer_pb2.DESCRIPTOR.services_by_name["KvTransfer"].methods_by_name["PullBlocks"]
+    assert pull.server_streaming and not pull.client_streaming
     generation = frontend_pb2.DESCRIPTOR.services_by_name["Generation"]
     generate = generation.methods_by_name["Generate"]
     assert generate.server_streaming and not generate.client_streaming

@@ -125,6 +125,17 @@ class KVCacheManager:
         if blocks:
             self.pool.free_blocks(reversed(blocks))
 
+    def take_blocks(self, request: Request) -> list[KVCacheBlock]:
+        """Forget the request's blocks without freeing them: the caller now owns their
+        references (a KV connector holding them for another engine) and gives them
+        back with ``free_blocks``."""
+        self.num_registered.pop(request.request_id, None)
+        return self.req_blocks.pop(request.request_id, [])
+
+    def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
+        """Return blocks taken with ``take_blocks``; the tail goes first."""
+        self.pool.free_blocks(reversed(blocks))
+
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_prefix_cache()
 

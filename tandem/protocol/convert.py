@@ -36,6 +36,7 @@ from itertools import chain, compress
 from operator import attrgetter, not_
 from typing import Any
 
+from tandem.protocol.kv_transfer import KvTransferParams
 from tandem.protocol.lora import LoRARequest
 from tandem.protocol.outputs import (
     EngineCoreOutput,
@@ -57,7 +58,7 @@ from tandem.protocol.sampling_params import (
     int64_seed,
 )
 from tandem.protocol.structured_output import StructuredOutputsParams
-from tandem.v1 import common_pb2, engine_pb2
+from tandem.v1 import common_pb2, engine_pb2, kv_transfer_pb2
 
 __all__ = [
     "ConversionError",
@@ -323,6 +324,9 @@ def engine_core_request_to_proto(
         lora_request=lora_request_to_proto(req.lora_request) if req.lora_request is not None else None,
         resumable=req.resumable,
         generated_token_ids=req.generated_token_ids,
+        kv_transfer_params=(
+            None if req.kv_transfer_params is None else kv_transfer_params_to_proto(req.kv_transfer_params)
+        ),
     )
 
 
@@ -353,6 +357,41 @@ def engine_core_request_from_proto(msg: engine_pb2.EngineCoreRequest) -> EngineC
         lora_request=lora_request_from_proto(msg.lora_request) if msg.HasField("lora_request") else None,
         resumable=msg.resumable,
         generated_token_ids=list(msg.generated_token_ids),
+        kv_transfer_params=(
+            kv_transfer_params_from_proto(msg.kv_transfer_params) if msg.HasField("kv_transfer_params") else None
+        ),
+    )
+
+
+def kv_transfer_params_to_proto(params: KvTransferParams) -> kv_transfer_pb2.KvTransferParams:
+    return kv_transfer_pb2.KvTransferParams(
+        do_remote_decode=params.do_remote_decode,
+        do_remote_prefill=params.do_remote_prefill,
+        remote_engine_id=params.remote_engine_id,
+        remote_address=params.remote_address,
+        remote_request_id=params.remote_request_id,
+        remote_block_ids=params.remote_block_ids,
+        block_hashes=params.block_hashes,
+        num_tokens=params.num_tokens,
+        block_size=params.block_size,
+        expires_at=params.expires_at,
+        transfer_secret=params.transfer_secret,
+    )
+
+
+def kv_transfer_params_from_proto(msg: kv_transfer_pb2.KvTransferParams) -> KvTransferParams:
+    return KvTransferParams(
+        do_remote_decode=msg.do_remote_decode,
+        do_remote_prefill=msg.do_remote_prefill,
+        remote_engine_id=msg.remote_engine_id,
+        remote_address=msg.remote_address,
+        remote_request_id=msg.remote_request_id,
+        remote_block_ids=list(msg.remote_block_ids),
+        block_hashes=list(msg.block_hashes),
+        num_tokens=msg.num_tokens,
+        block_size=msg.block_size,
+        expires_at=msg.expires_at,
+        transfer_secret=msg.transfer_secret,
     )
 
 
@@ -532,6 +571,9 @@ def engine_core_output_to_proto(out: EngineCoreOutput) -> engine_pb2.EngineCoreO
         trace_headers=out.trace_headers,
         error=None if out.error is None else request_error_to_proto(out.error),
         pooling_output=out.pooling_output,
+        kv_transfer_params=(
+            None if out.kv_transfer_params is None else kv_transfer_params_to_proto(out.kv_transfer_params)
+        ),
     )
 
 
@@ -551,6 +593,9 @@ def engine_core_output_from_proto(msg: engine_pb2.EngineCoreOutput) -> EngineCor
         trace_headers=dict(msg.trace_headers) or None,
         error=request_error_from_proto(msg.error) if has("error") else None,
         pooling_output=list(msg.pooling_output) if msg.pooling_output else None,
+        kv_transfer_params=(
+            kv_transfer_params_from_proto(msg.kv_transfer_params) if has("kv_transfer_params") else None
+        ),
     )
 
 
@@ -600,9 +645,9 @@ def scheduler_stats_from_proto(msg: engine_pb2.SchedulerStats) -> SchedulerStats
 # reads back as None, as it always did.
 _detail_fields = attrgetter(
     "new_logprobs", "new_prompt_logprobs", "finish_reason", "stop_reason", "trace_headers", "error",
-    "pooling_output",
+    "pooling_output", "kv_transfer_params",
 )
-_NO_DETAILS = (None,) * 7
+_NO_DETAILS = (None,) * 8
 
 
 def _split_plain(

@@ -13,6 +13,7 @@ from itertools import accumulate, chain, compress, repeat
 from operator import attrgetter
 from typing import Any
 
+from tandem.protocol.kv_transfer import KvTransferParams
 from tandem.protocol.lora import LoRARequest
 from tandem.protocol.pooling_params import PoolingParams
 from tandem.protocol.sampling_params import SamplingParams
@@ -76,6 +77,9 @@ class EngineCoreRequest:
     received_time: float | None = field(default=None, compare=False)
     # Set: a pooling request (one vector out, no tokens; sampling_params is unused).
     pooling_params: PoolingParams | None = None
+    # Disaggregated prefill/decode (kv_transfer.proto): hold the KV for a consumer
+    # (do_remote_decode), or pull it from a producer (do_remote_prefill).
+    kv_transfer_params: KvTransferParams | None = None
 
 
 @dataclass
@@ -110,6 +114,8 @@ class EngineCoreOutput:
     trace_headers: dict[str, str] | None = None
     error: RequestError | None = None  # set with FinishReason.ERROR: the status to report
     pooling_output: list[float] | None = None  # a pooling request's vector, in its last output
+    # A producer's held KV, in the last output of a do_remote_decode request.
+    kv_transfer_params: KvTransferParams | None = None
 
     @property
     def finished(self) -> bool:
@@ -397,4 +403,5 @@ def _merge_output(first: EngineCoreOutput, then: EngineCoreOutput) -> EngineCore
         num_cached_tokens=max(first.num_cached_tokens, then.num_cached_tokens),
         trace_headers=then.trace_headers or first.trace_headers,
         error=then.error,
+        kv_transfer_params=then.kv_transfer_params,
     )

@@ -1,4 +1,5 @@
 from tandem.v1 import common_pb2 as _common_pb2
+from tandem.v1 import kv_transfer_pb2 as _kv_transfer_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -8,7 +9,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EngineCoreRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "pooling_params", "eos_token_id", "arrival_time", "priority", "cache_salt", "client_index", "external_req_id", "trace_headers", "data_parallel_rank", "timeout_s", "lora_request", "resumable", "generated_token_ids")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "pooling_params", "eos_token_id", "arrival_time", "priority", "cache_salt", "client_index", "external_req_id", "trace_headers", "data_parallel_rank", "timeout_s", "lora_request", "resumable", "generated_token_ids", "kv_transfer_params")
     class TraceHeadersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +33,7 @@ class EngineCoreRequest(_message.Message):
     LORA_REQUEST_FIELD_NUMBER: _ClassVar[int]
     RESUMABLE_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_PARAMS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling_params: _common_pb2.SamplingParams
@@ -48,7 +50,8 @@ class EngineCoreRequest(_message.Message):
     lora_request: _common_pb2.LoRARequest
     resumable: bool
     generated_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., pooling_params: _Optional[_Union[_common_pb2.PoolingParams, _Mapping]] = ..., eos_token_id: _Optional[int] = ..., arrival_time: _Optional[float] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., client_index: _Optional[int] = ..., external_req_id: _Optional[str] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., data_parallel_rank: _Optional[int] = ..., timeout_s: _Optional[float] = ..., lora_request: _Optional[_Union[_common_pb2.LoRARequest, _Mapping]] = ..., resumable: _Optional[bool] = ..., generated_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    kv_transfer_params: _kv_transfer_pb2.KvTransferParams
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., pooling_params: _Optional[_Union[_common_pb2.PoolingParams, _Mapping]] = ..., eos_token_id: _Optional[int] = ..., arrival_time: _Optional[float] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., client_index: _Optional[int] = ..., external_req_id: _Optional[str] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., data_parallel_rank: _Optional[int] = ..., timeout_s: _Optional[float] = ..., lora_request: _Optional[_Union[_common_pb2.LoRARequest, _Mapping]] = ..., resumable: _Optional[bool] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., kv_transfer_params: _Optional[_Union[_kv_transfer_pb2.KvTransferParams, _Mapping]] = ...) -> None: ...
 
 class AbortRequests(_message.Message):
     __slots__ = ("request_ids",)
@@ -139,7 +142,7 @@ class InputBatch(_message.Message):
     def __init__(self, inputs: _Optional[_Iterable[_Union[EngineCoreInput, _Mapping]]] = ...) -> None: ...
 
 class EngineCoreOutput(_message.Message):
-    __slots__ = ("request_id", "new_token_ids", "new_logprobs", "new_prompt_logprobs", "finish_reason", "stop_token_id", "stop_str", "num_cached_tokens", "trace_headers", "error", "pooling_output")
+    __slots__ = ("request_id", "new_token_ids", "new_logprobs", "new_prompt_logprobs", "finish_reason", "stop_token_id", "stop_str", "num_cached_tokens", "trace_headers", "error", "pooling_output", "kv_transfer_params")
     class TraceHeadersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -158,6 +161,7 @@ class EngineCoreOutput(_message.Message):
     TRACE_HEADERS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     POOLING_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_PARAMS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     new_logprobs: _common_pb2.Logprobs
@@ -169,7 +173,8 @@ class EngineCoreOutput(_message.Message):
     trace_headers: _containers.ScalarMap[str, str]
     error: RequestError
     pooling_output: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ..., new_prompt_logprobs: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_str: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ..., pooling_output: _Optional[_Iterable[float]] = ...) -> None: ...
+    kv_transfer_params: _kv_transfer_pb2.KvTransferParams
+    def __init__(self, request_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ..., new_prompt_logprobs: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., stop_token_id: _Optional[int] = ..., stop_str: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., trace_headers: _Optional[_Mapping[str, str]] = ..., error: _Optional[_Union[RequestError, _Mapping]] = ..., pooling_output: _Optional[_Iterable[float]] = ..., kv_transfer_params: _Optional[_Union[_kv_transfer_pb2.KvTransferParams, _Mapping]] = ...) -> None: ...
 
 class RequestError(_message.Message):
     __slots__ = ("code", "message", "retry_after_ms")
@@ -248,7 +253,7 @@ class GetEngineInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetEngineInfoResponse(_message.Message):
-    __slots__ = ("engine_index", "architecture", "model", "served_model_name", "max_model_len", "vocab_size", "block_size", "num_kv_blocks", "num_free_blocks", "num_running_reqs", "num_waiting_reqs", "tokenizer_fingerprint", "max_logprobs", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "dtype", "device", "draining", "accepts_input_batches")
+    __slots__ = ("engine_index", "architecture", "model", "served_model_name", "max_model_len", "vocab_size", "block_size", "num_kv_blocks", "num_free_blocks", "num_running_reqs", "num_waiting_reqs", "tokenizer_fingerprint", "max_logprobs", "max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "dtype", "device", "draining", "accepts_input_batches", "kv_role")
     ENGINE_INDEX_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +274,7 @@ class GetEngineInfoResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_INPUT_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    KV_ROLE_FIELD_NUMBER: _ClassVar[int]
     engine_index: int
     architecture: str
     model: str
@@ -289,7 +295,8 @@ class GetEngineInfoResponse(_message.Message):
     device: str
     draining: bool
     accepts_input_batches: bool
-    def __init__(self, engine_index: _Optional[int] = ..., architecture: _Optional[str] = ..., model: _Optional[str] = ..., served_model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., draining: _Optional[bool] = ..., accepts_input_batches: _Optional[bool] = ...) -> None: ...
+    kv_role: str
+    def __init__(self, engine_index: _Optional[int] = ..., architecture: _Optional[str] = ..., model: _Optional[str] = ..., served_model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., block_size: _Optional[int] = ..., num_kv_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_running_reqs: _Optional[int] = ..., num_waiting_reqs: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_logprobs: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., draining: _Optional[bool] = ..., accepts_input_batches: _Optional[bool] = ..., kv_role: _Optional[str] = ...) -> None: ...
 
 class ResetPrefixCacheRequest(_message.Message):
     __slots__ = ()
