@@ -963,7 +963,12 @@ def free_port_range(count: int, attempts: int = 50) -> int:
 class LaunchedStack:
     """``tandem serve`` as a child process group, stopped (SIGTERM, then SIGKILL) on exit."""
 
-    def __init__(self, model: str, engines: int, engine_args: Sequence[str], log_path: str) -> None:
+    def __init__(
+        self, model: str, engines: int, engine_args: Sequence[str], log_path: str,
+        serve_args: Sequence[str] = (),
+    ) -> None:
+        """``serve_args``: more ``tandem serve`` flags (e.g. ``--prefill-engines 1
+        --decode-engines 1``, which then decide the number of engines)."""
         # One range of free ports for everything serve opens: the frontend (base), its
         # admin listener (serve's default: the frontend's port + 1), the HTTP API and the
         # engines. Ports picked one by one could land on each other's +1.
@@ -975,7 +980,7 @@ class LaunchedStack:
         self.log_path = log_path
         cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model", model,
                "--engines", str(engines), "--port", str(self.port), "--http-port", str(self.http_port),
-               "--engine-base-port", str(base + 3), "--", *engine_args]
+               "--engine-base-port", str(base + 3), *serve_args, "--", *engine_args]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(

@@ -225,3 +225,17 @@ def test_contention_benchmark_runs_quiet_and_beside_a_neighbour(tiny_llama_dir: 
     lines = {line.split(":")[0].strip(): line for line in proc.stdout.splitlines() if "tok/s" in line}
     assert set(lines) == {"quiet", "neighbour"}
     assert "failed 0" in lines["quiet"] and "x quiet" in lines["neighbour"]
+
+
+def test_disaggregation_benchmark_runs_both_layouts_and_moves_kv(tiny_llama_dir: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.disaggregation", "--model", tiny_llama_dir,
+         "--streams", "2", "--stream-prompt-len", "8", "--stream-output-len", "8",
+         "--long-prompts", "2", "--long-prompt-len", "64", "--long-output-len", "2",
+         "--long-rate", "10", "--long-delay", "0.1", "--max-model-len", "256"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    assert "aggregated: streams ITL" in proc.stdout and "disaggregated: streams ITL" in proc.stdout
+    assert "KV moved:" in proc.stdout and "(0 failed)" in proc.stdout
+    assert "disaggregated / aggregated" in proc.stdout
