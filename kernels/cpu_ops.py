@@ -62,6 +62,23 @@ _SOURCES = [
     )
 ]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+# TANDEM_CPU_ISA: which of the kernels' ISA paths to build. "native" (default): the best
+# the CPU reports (AVX-512 where present, else AVX2 + FMA, else portable loops); "avx2":
+# the AVX2 + FMA path on any CPU that has it (an AVX-512 machine runs what an AVX2-only
+# one does: -mno-avx512f turns off every AVX-512 subset); "portable": no intrinsics.
+_ISA_FLAGS = {
+    "native": [],
+    "avx2": ["-mno-avx512f"],
+    "portable": ["-mno-avx512f", "-mno-avx2", "-mno-fma"],
+}
+
+
+def cpu_isa() -> str:
+    """The ISA path asked for by TANDEM_CPU_ISA (default native)."""
+    isa = os.environ.get("TANDEM_CPU_ISA", "native").strip().lower() or "native"
+    if isa not in _ISA_FLAGS:
+        raise ValueError(f"TANDEM_CPU_ISA must be one of {', '.join(_ISA_FLAGS)}, got {isa!r}")
+    return isa
 # How long a process waits for another's build of the same extension before giving up
 # (and running the PyTorch reference). A cold build is ~30 s on 2 idle cores.
 _BUILD_WAIT_S = 900.0
@@ -86,7 +103,8 @@ def _extension_name() -> str:
     for path in sorted([*_SOURCES, *headers]):
         with open(path, "rb") as f:
             sources.update(f.read())
-    return f"tandem_cpu_kernels_{_cpu_fingerprint()}_{torch_tag}_{sources.hexdigest()[:8]}"
+    isa = "" if cpu_isa() == "native" else f"_{cpu_isa()}"
+    return f"tandem_cpu_kernels_{_cpu_fingerprint()}_{torch_tag}_{sources.hexdigest()[:8]}{isa}"
 
 
 def _build_directory(name: str) -> str:
@@ -143,7 +161,7 @@ def native_available() -> bool:
             load(
                 name=name,
                 sources=_SOURCES,
-                extra_cflags=_CFLAGS,
+                extra_cflags=_CFLAGS + _ISA_FLAGS[cpu_isa()],
                 extra_ldflags=["-fopenmp"],
                 build_directory=build_dir,
                 is_python_module=False,

@@ -62,3 +62,15 @@ def test_package_data_ships_every_kernel_source() -> None:
     assert files and not missing, f"not in [tool.setuptools.package-data] kernels: {missing}"
     sources = {os.path.basename(s) for s in cpu_ops._SOURCES}
     assert sources == {os.path.basename(f) for f in files if f.endswith(".cpp")}, "a .cpp file is not built"
+
+
+def test_the_isa_path_is_chosen_by_env_and_builds_apart(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TANDEM_CPU_ISA", raising=False)
+    assert cpu_ops.cpu_isa() == "native"
+    native = cpu_ops._extension_name()
+    monkeypatch.setenv("TANDEM_CPU_ISA", "AVX2")
+    assert cpu_ops.cpu_isa() == "avx2"
+    assert cpu_ops._extension_name() == native + "_avx2"  # its own build, beside the native one
+    monkeypatch.setenv("TANDEM_CPU_ISA", "avx9")
+    with pytest.raises(ValueError, match="TANDEM_CPU_ISA"):
+        cpu_ops.cpu_isa()
