@@ -403,3 +403,24 @@ def e2e_stack(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> 
     """The shared stack: 2 engines + a frontend on the tiny Llama."""
     with start_stack(tiny_llama_dir, 2, tmp_path_factory.mktemp("e2e_stack_logs")) as stack:
         yield stack
+
+
+def live_children(pid: int, *, skip_resource_tracker: bool = False) -> list[int]:
+    """Live (non-zombie) processes whose parent is ``pid`` (read from /proc);
+    ``skip_resource_tracker``: but multiprocessing's resource tracker, which the first
+    spawned process starts and which lives as long as its parent."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+            if int(ppid) != pid or state == "Z":
+                continue
+            if skip_resource_tracker and b"resource_tracker" in Path(f"/proc/{entry}/cmdline").read_bytes():
+                continue
+        except OSError:
+            continue
+        found.append(int(entry))
+    return found

@@ -4,7 +4,6 @@ one starts in the same process."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 from pathlib import Path
@@ -15,29 +14,14 @@ import torch.distributed as dist
 from frontend_service.llm import LLM
 from tandem.protocol.model_config import ModelConfig
 from tandem.protocol.sampling_params import SamplingParams
+from tests.e2e_helpers import live_children
 from tests.factories import hf_greedy
 
 MAX_TOKENS = 6
 
 
 def _children() -> list[int]:
-    """Live (non-zombie) child processes of this one, but multiprocessing's resource
-    tracker (started with the first spawned process, it lives as long as this one)."""
-    me, found = os.getpid(), []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-        if int(ppid) != me or state == "Z":
-            continue
-        with contextlib.suppress(OSError):
-            if b"resource_tracker" not in Path(f"/proc/{entry}/cmdline").read_bytes():
-                found.append(int(entry))
-    return found
+    return live_children(os.getpid(), skip_resource_tracker=True)
 
 
 def _greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:

@@ -17,25 +17,9 @@ import pytest
 from engine_service.config import ConfigError, EngineConfig
 from engine_service.core import EngineCore
 from tandem.v1 import common_pb2, frontend_pb2
-from tests.e2e_helpers import ENGINE_ARGS, start_engine, start_stack
+from tests.e2e_helpers import ENGINE_ARGS, live_children, start_engine, start_stack
 
 WAIT_S = 60.0
-
-
-def _children(pid: int) -> list[int]:
-    """Live (non-zombie) processes whose parent is ``pid``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-        if int(ppid) == pid and state != "Z":
-            found.append(int(entry))
-    return found
 
 
 def _alive(pid: int) -> bool:
@@ -64,7 +48,7 @@ def test_worker_sigkill_makes_the_engine_dead_and_leaves_no_process(
         match = re.search(r"worker rank 1 started: pid (\d+)", engine.log())
         assert match is not None, engine.log_tail()
         worker = int(match.group(1))
-        family = _children(engine.proc.pid)  # the worker and multiprocessing's helpers
+        family = live_children(engine.proc.pid)  # the worker and multiprocessing's helpers
         assert worker in family
 
         stub = stack.generation_stub()
@@ -102,7 +86,7 @@ def test_idle_worker_death_is_noticed_and_a_drained_engine_leaves_no_process(
     try:
         for engine in (killed, drained):
             engine.wait_serving()
-        families = {e.name: _children(e.proc.pid) for e in (killed, drained)}
+        families = {e.name: live_children(e.proc.pid) for e in (killed, drained)}
         match = re.search(r"worker rank 1 started: pid (\d+)", killed.log())
         assert match is not None, killed.log_tail()
         os.kill(int(match.group(1)), signal.SIGKILL)  # no request running: the idle loop's health poll sees it
