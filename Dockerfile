@@ -5,13 +5,27 @@
 #   docker run --rm -p 50051:50051 tandem-engine:0.1.0 tandem serve --host 0.0.0.0
 #                                      # 1 engine + frontend in one container (the engine image
 #                                      # holds everything; the frontend image holds no engine)
-#   docker compose up --build          # the full stack (see deploy/README.md)
+#   docker compose up --build          # the stack (see deploy/README.md)
+#   make compose-check                 # builds both, runs the stack for real (deploy/compose_check.py)
 #
-# Expected sizes (uncompressed): frontend ~0.45 GB (python:3.11-slim ~0.13 GB plus ~0.3 GB
-# installed: transformers 126 MB, numpy 45 MB, grpcio, tokenizers, opentelemetry, and what
-# huggingface_hub pulls in); engine ~1.5 GB (the same plus torch's CPU build, ~0.75 GB
-# installed, sympy/networkx, and g++ for the kernel). The frontend runs `pip install .` only
-# (the base dependencies) and its build fails if torch ends up in it.
+# Build arguments (all optional; deploy/README.md, "Building behind a proxy or a private index"):
+#   BASE_IMAGE         any image with Python >= 3.11 and its venv module (default python:3.11-slim;
+#                      Debian/Ubuntu's python3 needs python3-venv); apt-get for g++ in the engine
+#   PIP_INDEX_URL, PIP_EXTRA_INDEX_URL, PIP_TRUSTED_HOST, PIP_FIND_LINKS
+#                      pip's own variables, for the build stages only
+#   TORCH_INDEX_URL    where torch's CPU build comes from (default PyTorch's CPU index; "" for the
+#                      package index or find-links alone)
+# Build-context files (both folders are git-ignored but for their README):
+#   deploy/build-ca/*.crt    extra CA certificates (a TLS-intercepting proxy's, a private
+#                            index's), trusted by pip and apt in every stage
+#   deploy/wheels/*.whl      a local wheelhouse, searched by pip (e.g. torch's CPU wheel)
+# Build arguments reach only the build stages: the images' history does not record them.
+#
+# Sizes (uncompressed; measured by `make compose-check` on a 123 MB Debian bookworm base, about
+# python:3.11-slim's size): frontend 0.44 GB (transformers, numpy, grpcio, tokenizers,
+# opentelemetry, fastapi); engine 1.72 GB (plus torch's CPU build, g++ for the kernel, the demo
+# model). Each image gets only a virtual environment (/opt/tandem) built in its own build stage:
+# no pip cache, no sources, no compiler in the frontend. Its build fails if torch ends up in it.
 #
 # The demo model is made at build time into /models/demo of the engine image, and its
 # tokenizer and config files (no weights) are copied into the frontend image, so every
@@ -19,40 +33,90 @@
 # both and point TANDEM_MODEL at it (-v /path:/models/mine -e TANDEM_MODEL=/models/mine);
 # the frontend needs only its tokenizer and config files.
 
-# ---- common base: Python, the unprivileged user, the package sources ------------------------
-FROM python:3.11-slim AS base
+ARG BASE_IMAGE=python:3.11-slim
+
+# ---- common base of every image: the unprivileged user, the extra CAs, the venv's PATH --------
+FROM ${BASE_IMAGE} AS base
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
-    PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
+    PATH=/opt/tandem/bin:$PATH
 
-RUN useradd --create-home --uid 10001 --shell /usr/sbin/nologin tandem \
+# Extra CA certificates from deploy/build-ca/ join the system store (needs the base's
+# ca-certificates package); apt, and pip through /etc/pip.conf below, then trust them.
+COPY deploy/build-ca/ /usr/local/share/ca-certificates/tandem-build/
+RUN if ls /usr/local/share/ca-certificates/tandem-build/*.crt >/dev/null 2>&1; then \
+        update-ca-certificates >/dev/null; \
+    fi \
+    && find /usr/local/share/ca-certificates/tandem-build -type f ! -name '*.crt' -delete \
+    && useradd --create-home --uid 10001 --shell /usr/sbin/nologin tandem \
     && mkdir -p /models /cache \
     && chown tandem:tandem /models /cache
 
+# ---- build: a virtual environment and pip's package sources (not in any image) ---------------
+FROM base AS build
+
+# pip's own variables, from --build-arg, for this stage and the build stages FROM it (ENV: an
+# ARG would end with this stage); empty ones mean pip's defaults.
+ARG PIP_INDEX_URL=
+ARG PIP_EXTRA_INDEX_URL=
+ARG PIP_TRUSTED_HOST=
+ARG PIP_FIND_LINKS=/wheels
+ENV PIP_INDEX_URL=$PIP_INDEX_URL \
+    PIP_EXTRA_INDEX_URL=$PIP_EXTRA_INDEX_URL \
+    PIP_TRUSTED_HOST=$PIP_TRUSTED_HOST \
+    PIP_FIND_LINKS=$PIP_FIND_LINKS \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_DEFAULT_TIMEOUT=60
+
+# The venv gets pip from ensurepip; a base without ensurepip (Debian's python3 without
+# python3-venv) gets it from its own pip (pip >= 22.3). With extra CAs, pip uses the system
+# store (pip's own bundle, certifi, does not know them).
+RUN if ls /usr/local/share/ca-certificates/tandem-build/*.crt >/dev/null 2>&1; then \
+        printf '[global]\ncert = /etc/ssl/certs/ca-certificates.crt\n' > /etc/pip.conf; \
+    fi \
+    && { python3 -m venv /opt/tandem \
+         || { python3 -m venv --without-pip /opt/tandem \
+              && python3 -m pip --python /opt/tandem/bin/python install pip; }; } \
+    && pip install --upgrade pip
+
+COPY deploy/wheels/ /wheels/
 WORKDIR /build
-COPY pyproject.toml README.md ./
-COPY engine_service ./engine_service
-COPY frontend_service ./frontend_service
-COPY kernels ./kernels
-COPY tandem ./tandem
+
+# ---- sources: what `pip install .` needs, gathered in one layer for the build stages ----------
+FROM scratch AS sources
+COPY pyproject.toml README.md /build/
+COPY engine_service /build/engine_service
+COPY frontend_service /build/frontend_service
+COPY kernels /build/kernels
+COPY tandem /build/tandem
+
+# ---- engine-build: torch's CPU build, then the project with the engine extra ----------------
+FROM build AS engine-build
+
+# torch first, from PyTorch's CPU index (PyPI's wheel pulls in ~3 GB of CUDA libraries): as an
+# extra index, so that torch's own dependencies still come from the package index, and
+# 2.13.0+cpu (the CPU index's, or one in find-links) wins over PyPI's 2.13.0. Then
+# `pip install .[engine]` finds torch==2.13.0 satisfied and leaves it alone.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+RUN pip install torch==2.13.0 ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} \
+    && python -c "import torch, sys; sys.exit(None if torch.version.cuda is None else 'torch ' + torch.__version__ + ' is a CUDA build (~3 GB of libraries): set TORCH_INDEX_URL to a reachable CPU index, or put the CPU wheel in deploy/wheels')"
+
+COPY --from=sources /build /build
+RUN pip install ".[engine]" \
+    && python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
 
 # ---- engine: torch CPU build, the C++ attention kernel, the demo model -----------------------
 FROM base AS engine
 
-# g++: the CPU attention kernel (kernels/csrc) is compiled by torch.utils.cpp_extension.
+# g++: the CPU attention kernel (kernels/csrc) is compiled by torch.utils.cpp_extension, at
+# build time below and again at run time on another kind of CPU (no Python headers needed).
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
 
-# torch first, from PyTorch's CPU index (the PyPI wheel would pull in CUDA libraries);
-# `pip install .[engine]` then finds torch==2.13.0 satisfied and leaves it alone.
-RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
-
-RUN pip install ".[engine]" \
-    && cd / && rm -rf /build \
-    && python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+COPY --from=engine-build /opt/tandem /opt/tandem
 
 USER tandem
 WORKDIR /home/tandem
@@ -83,13 +147,17 @@ FROM engine AS demo-tokenizer
 RUN mkdir /tmp/demo-tokenizer \
     && cp /models/demo/*.json /models/demo/*.jinja /tmp/demo-tokenizer/
 
-# ---- frontend: the base install only (no torch, no compiler) --------------------------------
-FROM base AS frontend
+# ---- frontend-build: the base install only (no torch, no compiler) ---------------------------
+FROM build AS frontend-build
 
+COPY --from=sources /build /build
 RUN pip install . \
-    && cd / && rm -rf /build \
     && python -c "import importlib.util as u; assert u.find_spec('torch') is None, 'torch in the frontend image'"
 
+# ---- frontend: the frontend's venv and the model's tokenizer ---------------------------------
+FROM base AS frontend
+
+COPY --from=frontend-build /opt/tandem /opt/tandem
 COPY --from=demo-tokenizer --chown=tandem:tandem /tmp/demo-tokenizer /models/demo
 
 USER tandem
@@ -97,7 +165,7 @@ WORKDIR /home/tandem
 
 # TANDEM_MODEL: the checkpoint directory the frontend reads its tokenizer and config from.
 ENV TANDEM_MODEL=/models/demo
-RUN python -c "import sys, frontend_service.server; assert 'torch' not in sys.modules"
+RUN python -c "import importlib.util as u, sys, frontend_service.server; assert u.find_spec('torch') is None, 'torch in the frontend image'; assert 'torch' not in sys.modules"
 
 EXPOSE 50051 8000 8080
 
@@ -110,10 +178,11 @@ CMD ["tandem", "frontend", "--host", "0.0.0.0", "--port", "50051"]
 # ---- smg: the optional SMG front door (docker compose --profile smg; deploy/k8s/optional) ----
 # SMG (Shepherd Model Gateway, a Rust binary in the `smg` wheel) speaks vLLM's gRPC protocol
 # to the engines; it reads the demo checkpoint's tokenizer and chat template from here.
-FROM python:3.11-slim AS smg
-ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
-RUN pip install smg==1.13.0 \
-    && useradd --create-home --uid 10001 --shell /usr/sbin/nologin tandem
+FROM build AS smg-build
+RUN pip install smg==1.13.0
+
+FROM base AS smg
+COPY --from=smg-build /opt/tandem /opt/tandem
 COPY --from=demo-tokenizer --chown=tandem:tandem /tmp/demo-tokenizer /models/demo
 USER tandem
 WORKDIR /home/tandem

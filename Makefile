@@ -43,3 +43,14 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) node_modules .pytest_cache .ruff_cache
+
+# The compose stack built and run for real (deploy/compose_check.py): both images, `compose up`,
+# health, a Generate stream and an OpenAI stream, non-root and no-torch checks, an engine kill
+# under load, a drain on `compose stop`, image sizes and times to healthy, teardown. Starts
+# dockerd where none runs and it can; prints a line with "skip" and exits 0 where no Docker
+# engine can run. Not part of `test` (3-10 min; needs the inputs below). This machine's inputs come
+# from the environment: TANDEM_BASE_IMAGE, TANDEM_BUILD_NETWORK, TANDEM_BUILD_CA_BUNDLE,
+# TANDEM_BUILD_WHEELS, TANDEM_PIP_INDEX_URL, TANDEM_TORCH_INDEX_URL (see deploy/README.md).
+.PHONY: compose-check
+compose-check: setup
+	$(PY) deploy/compose_check.py

@@ -84,11 +84,26 @@ def dockerfile_instructions(text: str | None = None) -> list[tuple[str, str]]:
     return out
 
 
+def dockerfile_global_args() -> dict[str, str]:
+    """The ``ARG NAME[=default]`` lines before the first FROM (usable in FROM lines)."""
+    out: dict[str, str] = {}
+    for keyword, rest in dockerfile_instructions():
+        if keyword == "FROM":
+            break
+        assert keyword == "ARG", f"only ARG may come before the first FROM, got {keyword}"
+        name, _, default = rest.partition("=")
+        out[name] = default
+    return out
+
+
 def dockerfile_stages() -> dict[str, Stage]:
-    """Stages by name, in file order; every stage is named (``FROM image AS name``)."""
+    """Stages by name, in file order; every stage is named (``FROM image AS name``). Global
+    ARGs (before the first FROM) are in :func:`dockerfile_global_args`."""
     stages: dict[str, Stage] = {}
     current: Stage | None = None
     for keyword, rest in dockerfile_instructions():
+        if keyword == "ARG" and current is None:
+            continue
         if keyword == "FROM":
             words = rest.split()
             assert len(words) == 3 and words[1].upper() == "AS", f"name every stage: FROM {rest}"

@@ -30,6 +30,7 @@ from tests.deploy_helpers import (
     ROOT,
     Stage,
     chain_env,
+    dockerfile_global_args,
     dockerfile_stages,
     env_flag_problems,
     exec_form,
@@ -48,6 +49,7 @@ PROMETHEUS_FILE = ROOT / "deploy" / "prometheus.yml"
 FRONTEND, ENGINES = "frontend", ("engine-0", "engine-1")
 COLLECTOR, JAEGER, PROMETHEUS = "otel-collector", "jaeger", "prometheus"
 SMG = "smg"  # the optional SMG front door (compose profile "smg")
+OBSERVABILITY = (COLLECTOR, JAEGER, PROMETHEUS)  # compose profile "observability"
 TANDEM_SERVICES = (FRONTEND, *ENGINES)
 # The Dockerfile target each tandem service runs, and the subcommand that target's CMD runs.
 TARGETS = {FRONTEND: "frontend", **dict.fromkeys(ENGINES, "engine")}
@@ -244,7 +246,7 @@ def test_one_model_for_all(services: dict[str, dict[str, Any]], stages: dict[str
 def _tokenizer_copy(stages: dict[str, Stage]) -> tuple[list[str], str, str]:
     """(file globs the frontend's model files are copied with, their staging dir, the
     frontend's COPY destination)."""
-    (copy,) = [c for c in stages["frontend"].args("COPY") if c.startswith("--from=")]
+    (copy,) = [c for c in stages["frontend"].args("COPY") if c.startswith("--from=") and VENV not in c]
     words = shlex.split(copy)
     source_stage = words[0].removeprefix("--from=")
     assert source_stage in stages and list(stages).index(source_stage) < list(stages).index("frontend")
@@ -267,6 +269,17 @@ def test_frontend_image_gets_the_model_files_but_the_weights(
     files = {f.name for f in Path(tiny_llama_dir).iterdir()}
     copied = {f for f in files if any(fnmatch.fnmatch(f, pat) for pat in patterns)}
     assert copied == {f for f in files if not f.endswith(".safetensors")}, sorted(files - copied)
+
+
+def test_observability_is_a_profile_the_tandem_services_do_not_need(
+    services: dict[str, dict[str, Any]]
+) -> None:
+    """Collector, Jaeger and Prometheus come up only with `--profile observability` (their
+    images may not be pullable); the tandem services neither depend on them nor need them."""
+    for name in OBSERVABILITY:
+        assert services[name]["profiles"] == ["observability"], name
+    for name in TANDEM_SERVICES:
+        assert not set(services[name].get("depends_on", {})) & set(OBSERVABILITY), name
 
 
 def test_frontend_waits_for_healthy_engines(services: dict[str, dict[str, Any]]) -> None:
@@ -347,7 +360,7 @@ def test_smg_is_an_optional_front_door_over_every_engine(
     gRPC port, reads the engines' checkpoint's tokenizer, and is the smg pyproject pins."""
     smg = services[SMG]
     assert smg["profiles"] == ["smg"] and smg["build"]["target"] == "smg"
-    assert all("profiles" not in services[name] for name in services if name != SMG)
+    assert all("profiles" not in services[name] for name in TANDEM_SERVICES)
     (cmd,) = stages["smg"].args("CMD")
     for argv in (smg["command"], exec_form(cmd)):
         args = _smg_launch(argv)
@@ -356,7 +369,8 @@ def test_smg_is_an_optional_front_door_over_every_engine(
         assert sorted(args.worker_urls) == sorted(f"grpc://{e}:{_grpc_port(services[e])}" for e in ENGINES)
     for name in ENGINES:
         assert smg["depends_on"][name]["condition"] == "service_healthy"
-    pins = [w for run in stages["smg"].args("RUN") for w in shlex.split(run) if w.startswith("smg==")]
+    pins = [w for stage in _install_stages(stages, "smg") for run in stage.args("RUN")
+            for w in shlex.split(run) if w.startswith("smg==")]
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert pins and all(f'"{pin}"' in pyproject for pin in pins), pins
     users = stages["smg"].args("USER")
@@ -464,6 +478,23 @@ def test_prometheus_scrapes_every_tandem_service(
 # ---- Dockerfile -----------------------------------------------------------------------------
 
 
+VENV = "/opt/tandem"  # the virtual environment each image gets from its build stage
+
+
+def _install_stages(stages: dict[str, Stage], target: str) -> list[Stage]:
+    """The stages whose installs reach ``target``: its FROM chain, and the chains of the
+    build stages it copies the virtual environment from (base first)."""
+    out: list[Stage] = []
+    for stage in reversed(stage_chain(stages, target)):
+        for rest in stage.args("COPY"):
+            words = shlex.split(rest)
+            if words[0].startswith("--from=") and words[-1] == VENV:
+                out += [s for s in reversed(stage_chain(stages, words[0].removeprefix("--from="))) if s not in out]
+        if stage not in out:
+            out.append(stage)
+    return out
+
+
 def _installs(stage: Stage) -> list[list[str]]:
     """The `pip install` commands of a stage's RUN lines, as argv lists."""
     out = []
@@ -476,21 +507,26 @@ def _installs(stage: Stage) -> list[list[str]]:
 
 
 def test_engine_image_installs_cpu_torch_before_the_project(stages: dict[str, Stage]) -> None:
-    installs = [i for stage in reversed(stage_chain(stages, "engine")) for i in _installs(stage)]
+    chain = _install_stages(stages, "engine")
+    installs = [i for stage in chain for i in _installs(stage)]
     torch_at = [n for n, argv in enumerate(installs) if TORCH_PIN in argv]
     project_at = [n for n, argv in enumerate(installs) if ".[engine]" in argv]
     assert torch_at and project_at, "pip install torch==2.13.0 ... and pip install .[engine]"
     assert torch_at[0] < project_at[0], "torch must be installed before the project"
-    torch_cmd = installs[torch_at[0]]
-    assert torch_cmd[torch_cmd.index("--index-url") + 1] == TORCH_CPU_INDEX
+    # torch's source is the build argument TORCH_INDEX_URL, PyTorch's CPU index by default,
+    # added as an extra index (torch's dependencies still come from the package index).
+    assert installs[torch_at[0]][3:] == ["${TORCH_INDEX_URL:+--extra-index-url", "$TORCH_INDEX_URL}"]
+    (stage,) = [s for s in chain if any(TORCH_PIN in run for run in s.args("RUN"))]
+    assert f"TORCH_INDEX_URL={TORCH_CPU_INDEX}" in stage.args("ARG")
     assert not any("-e" in argv or "--editable" in argv for argv in installs)
 
 
 def test_frontend_image_installs_no_torch(stages: dict[str, Stage]) -> None:
-    chain = stage_chain(stages, "frontend")
-    installs = [argv for stage in chain for argv in _installs(stage)]
+    chain = _install_stages(stages, "frontend")
+    installs = [argv for stage in chain for argv in _installs(stage)
+                if argv != ["pip", "install", "--upgrade", "pip"]]
     assert installs == [["pip", "install", "."]], f"the base install only: {installs}"
-    assert "engine" not in {s.name for s in chain}, "the frontend must not be built FROM the engine"
+    assert not {"engine", "engine-build"} & {s.name for s in chain}, "the frontend must not be built FROM the engine"
     for stage in chain:
         for run in stage.args("RUN"):
             assert "torch==" not in run and "apt-get install" not in run, run
@@ -510,6 +546,37 @@ def test_dockerfile_copies_what_exists_and_runs_unprivileged(stages: dict[str, S
         users = [r for stage in reversed(stage_chain(stages, target)) for r in stage.args("USER")]
         assert users and users[-1] not in {"root", "0"}, f"{target}: run as a non-root user"
         assert max(i for i, k in enumerate(keywords) if k == "USER") < keywords.index("CMD"), target
+
+
+def test_base_image_is_a_build_argument(stages: dict[str, Stage]) -> None:
+    """BASE_IMAGE (default python:3.11-slim) is the only image the stages start from (but the
+    empty `scratch`), and every image runs from the virtual environment its build stage made."""
+    assert dockerfile_global_args()["BASE_IMAGE"] == "python:3.11-slim"
+    external = {s.base for s in stages.values() if s.base not in stages}
+    assert external == {"${BASE_IMAGE}", "scratch"}, external
+    for target in ("engine", "frontend", "smg"):
+        runtime = stage_chain(stages, target)
+        assert all(not _installs(stage) for stage in runtime), f"{target}: pip runs only in build stages"
+        assert chain_env(stages, target)["PATH"].startswith(VENV + "/bin:"), target
+        assert any(shlex.split(c)[-1] == VENV for s in runtime for c in s.args("COPY")), target
+
+
+def test_build_sources_are_build_arguments_and_context_folders(stages: dict[str, Stage]) -> None:
+    """Behind a proxy or a private index: pip's variables as build arguments (into ENV of the
+    build stages only), extra CAs from deploy/build-ca/, a wheelhouse from deploy/wheels/."""
+    build = stages["build"]
+    env = build.env()
+    for name in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_TRUSTED_HOST", "PIP_FIND_LINKS"):
+        assert any(a.split("=")[0] == name for a in build.args("ARG")), name
+        assert env[name] == f"${name}", name
+    for target in ("engine", "frontend", "smg"):
+        assert "build" not in {s.name for s in stage_chain(stages, target)}, f"{target}: FROM the build stage"
+    copies = {shlex.split(c)[0].rstrip("/"): shlex.split(c)[-1] for s in stages.values() for c in s.args("COPY")}
+    assert copies["deploy/build-ca"].startswith("/usr/local/share/ca-certificates/")
+    assert f"PIP_FIND_LINKS={copies['deploy/wheels'].rstrip('/')}" in build.args("ARG")
+    for folder in ("deploy/build-ca", "deploy/wheels"):
+        assert (ROOT / folder / "README.md").is_file(), folder
+        assert "*" in (ROOT / folder / ".gitignore").read_text().split(), f"{folder}: git-ignore what users put there"
 
 
 def _dockerignored(src: str) -> bool:
