@@ -370,20 +370,25 @@ class Scheduler(KvTransferScheduling):
                 if self._evict_idle_session():
                     continue  # look at the same request again with the room made
                 break
-            self.waiting.pop()
+            self._take_from_queue(request, num_hit_tokens, RequestStatus.RUNNING)
             self._num_admitted += 1
-            request.num_computed_tokens += num_hit_tokens
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_hit_tokens
-            request.status = RequestStatus.RUNNING
-            if request.times.first_scheduled is None:
-                request.times.first_scheduled = self._step_start
             self.running.append(request)
             lora_ids.add(request.lora_int_id)
             out.scheduled.append(ScheduledRequest(request, n))
             budget -= n
         for request in reversed(parked):  # back in their places, ahead of the rest
             self.waiting.add(request, front=True)
+
+    def _take_from_queue(self, request: Request, num_hit_tokens: int, status: RequestStatus) -> None:
+        """Pop ``request`` (the queue head), grant its ``num_hit_tokens`` prefix-cache hits
+        as computed tokens, and give it ``status`` (RUNNING, or WAITING_FOR_REMOTE_KV)."""
+        self.waiting.pop()
+        request.num_computed_tokens += num_hit_tokens
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_hit_tokens
+        request.status = status
+        if request.times.first_scheduled is None:
+            request.times.first_scheduled = self._step_start
 
     def _lora_slot(self, request: Request, running_ids: set[int]) -> bool:
         """Whether the adapter of ``request`` (queue head) has, or now got, a device slot.

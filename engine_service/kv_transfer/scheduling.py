@@ -7,7 +7,7 @@ Mixed into ``Scheduler``; the connector's hooks are named in ``base.py``.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine_service.request import Request, RequestStatus
 
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 class KvTransferScheduling:
     """Needs the scheduler's ``kv``, ``connector``, ``waiting``, ``_loading``,
-    ``_orphans`` and ``_step_start``."""
+    ``_orphans``, ``_step_start`` and ``_take_from_queue``."""
 
     kv: KVCacheManager
     connector: KvConnector
@@ -28,6 +28,7 @@ class KvTransferScheduling:
     _loading: dict[str, Request]
     _orphans: dict[str, list[KVCacheBlock]]
     _step_start: float
+    _take_from_queue: Any
 
     def update_kv_transfers(self) -> None:
         """The connector's news, at each schedule() and while idle: blocks of held
@@ -70,13 +71,7 @@ class KvTransferScheduling:
         blocks are not there."""
         if not self.kv.allocate_slots(request, n, hits):
             return False
-        self.waiting.pop()
-        request.num_computed_tokens += num_hit_tokens
-        if request.num_cached_tokens < 0:
-            request.num_cached_tokens = num_hit_tokens
-        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        if request.times.first_scheduled is None:
-            request.times.first_scheduled = self._step_start
+        self._take_from_queue(request, num_hit_tokens, RequestStatus.WAITING_FOR_REMOTE_KV)
         self._loading[request.request_id] = request
         self.connector.start_load(
             request, self.kv.block_ids(request.request_id), request.num_computed_tokens
