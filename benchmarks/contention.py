@@ -31,6 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from benchmarks.serve_bench import LaunchedStack
 
@@ -101,16 +102,13 @@ def run_scenario(args: argparse.Namespace, scenario: str, engine_args: Sequence[
         cgroup = make_quota_cgroup(args.quota)
         if isinstance(cgroup, str):
             return cgroup
-    stack = LaunchedStack(args.model, 1, list(engine_args), os.path.join(tmp, f"{scenario}.log"))
+    # In the quota scenario serve joins the cgroup before it starts (its engine and frontend
+    # processes are born inside it, so the engine's default thread count sees the quota).
+    join = _joiner(cgroup[1]) if isinstance(cgroup, tuple) else None
+    stack = LaunchedStack(args.model, 1, list(engine_args), os.path.join(tmp, f"{scenario}.log"),
+                          preexec_fn=join)
     try:
-        if isinstance(cgroup, tuple):  # the stack's process group, as it starts: serve first
-            with open(cgroup[1], "w") as f:
-                f.write(str(stack.proc.pid))
         stack.wait_serving(args.launch_timeout)
-        if isinstance(cgroup, tuple):  # and the engine it started (children follow their parent
-            for pid in _descendants(stack.proc.pid):  # only when they start after the move)
-                with contextlib.suppress(OSError), open(cgroup[1], "w") as f:
-                    f.write(str(pid))
         out = os.path.join(tmp, f"{scenario}.json")
         if scenario == "neighbour":
             core = max(os.sched_getaffinity(0))
@@ -124,20 +122,14 @@ def run_scenario(args: argparse.Namespace, scenario: str, engine_args: Sequence[
             remove_cgroup(cgroup[0])
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
+def _joiner(procs_file: str) -> Any:
+    """A preexec function: the child writes its pid into ``procs_file`` (joins the cgroup)."""
+
+    def join() -> None:
+        with open(procs_file, "w") as f:
+            f.write(str(os.getpid()))
+
+    return join
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -965,10 +965,11 @@ class LaunchedStack:
 
     def __init__(
         self, model: str, engines: int, engine_args: Sequence[str], log_path: str,
-        serve_args: Sequence[str] = (),
+        serve_args: Sequence[str] = (), preexec_fn: Any = None,
     ) -> None:
         """``serve_args``: more ``tandem serve`` flags (e.g. ``--prefill-engines 1
-        --decode-engines 1``, which then decide the number of engines)."""
+        --decode-engines 1``, which then decide the number of engines); ``preexec_fn``:
+        run in the child before ``tandem serve`` starts (e.g. joining a cgroup)."""
         # One range of free ports for everything serve opens: the frontend (base), its
         # admin listener (serve's default: the frontend's port + 1), the HTTP API and the
         # engines. Ports picked one by one could land on each other's +1.
@@ -986,6 +987,7 @@ class LaunchedStack:
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
             env=env, start_new_session=True,  # its own process group: engines included
+            preexec_fn=preexec_fn,
         )
 
     def log_tail(self, chars: int = 3000) -> str:

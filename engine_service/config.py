@@ -152,9 +152,9 @@ class EngineConfig:
         default=None,
         metadata={
             "help": "torch intra-op threads on CPU, per rank with tensor_parallel_size > 1; "
-            "default: the whole CPUs the process may use (its affinity mask, capped by its "
-            "cgroup CPU quota: 1 in a 1.5-CPU quota; with tensor parallelism: the rank's share "
-            "of the cores, each rank pinned to its own cores where the OS allows)."
+            "default: the CPUs the process may use (its affinity mask, capped by its cgroup "
+            "CPU quota rounded up: 2 in a 1.5-CPU quota; with tensor parallelism: the rank's "
+            "share of the cores, each rank pinned to its own cores where the OS allows)."
         },
     )
     adaptive_threads: bool = field(
@@ -163,7 +163,8 @@ class EngineConfig:
             "help": "CPU: run fewer intra-op threads while the engine's threads wait for a CPU "
             "(a busy neighbour process, an oversubscribed host), all of them again when the "
             "waits stop (engine_service/thread_governor.py); --no-adaptive-threads: a fixed "
-            "count. Not with tensor parallelism (its ranks are pinned)."
+            "count. Not with tensor parallelism (its ranks are pinned), nor under a cgroup CPU "
+            "quota (its throttling stops the whole team: a smaller one gains nothing)."
         },
     )
     profiler_dir: str | None = field(

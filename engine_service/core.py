@@ -18,7 +18,7 @@ from engine_service.admission import (
 )
 from engine_service.attention import AttentionMetadata
 from engine_service.config import ConfigError, EngineConfig
-from engine_service.cpu import default_num_threads, keep_freed_memory_mapped
+from engine_service.cpu import cpu_quota, default_num_threads, keep_freed_memory_mapped
 from engine_service.distributed.executor import TensorParallelExecutor, WorkerDiedError
 from engine_service.distributed.worker import load_shard
 from engine_service.kv_cache.manager import KVCacheManager
@@ -84,7 +84,9 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
             if config.tensor_parallel_size == 1:
                 threads = config.num_threads or default_num_threads()
                 torch.set_num_threads(threads)
-                if config.adaptive_threads and threads > 1:
+                # Under a CPU quota the waits the governor reads are mostly the quota's
+                # throttling, which a smaller team does not avoid: no governor there.
+                if config.adaptive_threads and threads > 1 and cpu_quota() is None:
                     self.governor = ThreadGovernor(threads)
         torch.manual_seed(config.seed)
         # Tensor parallelism: this process is rank 0; the workers start loading their

@@ -40,11 +40,11 @@ def test_cgroup_v1_quota_and_no_quota(tmp_path: Path) -> None:
     assert cpu_quota(str(root), str(tmp_path / "missing")) is None
 
 
-def test_default_threads_are_the_whole_cpus_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_threads_are_the_cpus_allowed_a_quota_rounded_up(monkeypatch: pytest.MonkeyPatch) -> None:
     import engine_service.cpu as cpu
 
     monkeypatch.setattr(cpu.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    for quota, expected in ((None, 4), (1.5, 1), (0.5, 1), (2.0, 2), (16.0, 4)):
+    for quota, expected in ((None, 4), (1.5, 2), (0.5, 1), (2.0, 2), (2.2, 3), (16.0, 4)):
         monkeypatch.setattr(cpu, "cpu_quota", lambda q=quota: q)
         assert default_num_threads() == expected, quota
 
