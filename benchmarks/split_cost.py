@@ -246,7 +246,7 @@ def run_local(model: str, work_path: str, engine_kwargs: dict[str, Any]) -> dict
 class Stack:
     """``tandem serve`` with one engine, its processes told apart by their command lines."""
 
-    def __init__(self, model: str, frontends: int, engine_args: list[str]) -> None:
+    def __init__(self, model: str, frontends: int, engine_args: list[str], serve_args: list[str] = ()) -> None:
         self.port, self.http_port = free_port(), free_port()
         cmd = [sys.executable, "-m", "tandem.cli", "--log-level", "WARNING", "serve", "--model", model,
                "--port", str(self.port), "--engine-base-port", str(free_port()),
@@ -254,6 +254,7 @@ class Stack:
                "--engine-metrics-base-port", "0"]
         if frontends != 1:
             cmd += ["--frontends", str(frontends)]
+        cmd += list(serve_args)
         self.proc = subprocess.Popen([*cmd, "--", *engine_args], env=_child_env())
         self.started = time.perf_counter()
 
@@ -300,9 +301,34 @@ class Stack:
                 self.proc.wait()
 
 
-def run_clients(stack: Stack, mode: str, work_path: str, clients: int, concurrency: int, channels: int = 1
-                ) -> dict[str, Any]:
-    """``clients`` client processes at once; CPU of every stack process over the run."""
+def start_profilers(roles: dict[str, list[int]], out_dir: str, mode: str) -> list[subprocess.Popen[bytes]]:
+    """py-spy (raw stacks, 100 Hz, without pausing the process) on the first process of
+    each role, until ``stop_profilers``; writes ``<out_dir>/<mode>-<role>.txt``."""
+    procs = []
+    for role, pids in roles.items():
+        if pids:
+            path = os.path.join(out_dir, f"{mode}-{role}.txt")
+            procs.append(subprocess.Popen(
+                ["py-spy", "record", "-p", str(pids[0]), "-r", "100", "-f", "raw", "-o", path, "--nonblocking"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            ))
+    return procs
+
+
+def stop_profilers(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        p.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+    for p in procs:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def run_clients(stack: Stack, mode: str, work_path: str, clients: int, concurrency: int, channels: int = 1,
+                profile_dir: str = "") -> dict[str, Any]:
+    """``clients`` client processes at once; CPU of every stack process over the run
+    (``profile_dir``: and a py-spy profile of the engine and the frontend)."""
     target = f"http://127.0.0.1:{stack.http_port}" if mode == "http" else stack.target
     procs = [
         subprocess.Popen(
@@ -315,6 +341,7 @@ def run_clients(stack: Stack, mode: str, work_path: str, clients: int, concurren
     ]
     time.sleep(1.0)  # the clients import grpc before the clock starts
     roles = stack.processes()
+    profilers = start_profilers(roles, profile_dir, mode) if profile_dir else []
     before = {pid: cpu_seconds(pid) for pids in roles.values() for pid in pids}
     start = time.perf_counter()
     for p in procs:
@@ -328,6 +355,7 @@ def run_clients(stack: Stack, mode: str, work_path: str, clients: int, concurren
             raise RuntimeError(f"client exited with {p.returncode}")
         docs.append(json.loads(out.strip().splitlines()[-1]))
     seconds = time.perf_counter() - start
+    stop_profilers(profilers)
     cpu = {role: sum(cpu_seconds(pid) - before[pid] for pid in pids) for role, pids in roles.items()}
     tokens = sum(d["tokens"] for d in docs)
     lists: list[list[int]] | None = None
@@ -363,6 +391,8 @@ def main() -> int:
     ap.add_argument("--preset", default="hop", help="make_model preset when no --model (default hop)")
     ap.add_argument("--engine-args", default="",
                     help="more engine flags for both sides, e.g. '--device cuda --dtype bfloat16'")
+    ap.add_argument("--serve-args", default="",
+                    help="more tandem serve (frontend) flags, e.g. '--engine-output-window 1'")
     ap.add_argument("--num-requests", type=int, default=512)
     ap.add_argument("--concurrency", type=int, default=256, help="streams open at once, all clients together")
     ap.add_argument("--clients", type=int, default=2, help="client processes")
@@ -374,6 +404,8 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     ap.add_argument("--no-local", action="store_true", help="skip the in-process run")
+    ap.add_argument("--profile", default="", help="modes to profile with py-spy (comma-separated; needs py-spy)")
+    ap.add_argument("--profile-dir", default=".", help="where the profiles go (default .)")
     ap.add_argument("--smoke", action="store_true", help="16 requests, 8 streams, short outputs")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="")
@@ -420,7 +452,7 @@ def main() -> int:
             result["local"] = local
             print(f"  in-process LLM     {local['tok_s']:9.1f} tok/s   CPU/token: "
                   f"{local['us_per_token']['in-process']:.1f} us", flush=True)
-        stack = Stack(model, args.frontends, engine_args)
+        stack = Stack(model, args.frontends, engine_args, shlex.split(args.serve_args))
         try:
             result["ready_s"] = stack.wait_ready()
             print(f"  (stack SERVING {result['ready_s']:.1f} s after launch)", flush=True)
@@ -431,7 +463,8 @@ def main() -> int:
             run_clients(stack, "delta", f.name, 1, args.concurrency)
             os.unlink(f.name)
             for mode in modes:
-                run = run_clients(stack, mode, work_path, args.clients, args.concurrency, channels)
+                profile_dir = args.profile_dir if mode in args.profile.split(",") else ""
+                run = run_clients(stack, mode, work_path, args.clients, args.concurrency, channels, profile_dir)
                 result["runs"].append(run)
                 us = run["us_per_token"]
                 total = us["frontend"] + us["engine"]

@@ -7,7 +7,7 @@ us of host time each, plus the Python between them). A graph captured once per p
 batch size replays the whole forward in one launch.
 
 Each graph reads fixed input buffers and writes a fixed output buffer:
-  input_ids, positions, slot_mapping [max_batch]; seq_lens [max_batch];
+  input_ids, positions, slot_mapping [max_batch] int64; seq_lens [max_batch] int32;
   block_tables [max_batch, max_blocks_per_seq]; query_start_loc = 0..max_batch;
   out: the [size, hidden_size] hidden states the captured forward returned.
 A batch of B decode tokens runs the graph of the smallest captured size P >= B: rows
@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine_service.attention import AttentionMetadata
@@ -79,15 +80,34 @@ class DecodeGraphs:
         if max_batch < 1 or max_blocks_per_seq < 1:
             raise ValueError(f"max_batch and max_blocks_per_seq must be >= 1, got {max_batch}, {max_blocks_per_seq}")
         self.max_blocks_per_seq = max_blocks_per_seq
+        self.max_batch = max_batch
         self.sizes = capture_sizes(max_batch)
         self._capture = capture
+        m, w = max_batch, max_blocks_per_seq
+        # The inputs live in two packed device buffers, so that a staged step (``stage``)
+        # reaches them in two host-to-device copies:
+        #   _ids [3M] int64: input_ids [0, M) | positions [M, 2M) | slot_mapping [2M, 3M)
+        #   _meta [M + M*W] int32: seq_lens [0, M) | block_tables [M, W] from M on
+        # with a pinned host mirror of each (written by ``stage``, then copied).
+        pinned = device.type == "cuda"
         with torch.inference_mode():
-            self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
-            self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
-            self.slot_mapping = torch.full((max_batch,), -1, dtype=torch.int64, device=device)
-            self.seq_lens = torch.ones(max_batch, dtype=torch.int32, device=device)
-            self.block_tables = torch.zeros(max_batch, max_blocks_per_seq, dtype=torch.int32, device=device)
+            self._ids = torch.zeros(3 * m, dtype=torch.int64, device=device)
+            self._meta = torch.zeros(m + m * w, dtype=torch.int32, device=device)
+            self._ids_host = torch.zeros(3 * m, dtype=torch.int64, pin_memory=pinned)
+            self._meta_host = torch.zeros(m + m * w, dtype=torch.int32, pin_memory=pinned)
+            self.input_ids = self._ids[:m]
+            self.positions = self._ids[m : 2 * m]
+            self.slot_mapping = self._ids[2 * m :]
+            self.seq_lens = self._meta[:m]
+            self.block_tables = self._meta[m:].view(m, w)
+            self.slot_mapping.fill_(-1)
+            self.seq_lens.fill_(1)
             self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        self._ids_np = self._ids_host.numpy()
+        self._meta_np = self._meta_host.numpy()
+        # Recorded after a stage's copies: the host mirrors are not rewritten before the
+        # copies out of them are done (None on CPU, where the copies are synchronous).
+        self._copied: torch.cuda.Event | None = None
         self._graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}  # size -> (replay, out)
 
     @property
@@ -128,11 +148,72 @@ class DecodeGraphs:
                 return size
         return None
 
+    def stage(
+        self,
+        input_ids: list[int],
+        positions: list[int],
+        slot_mapping: list[int],
+        seq_lens: list[int],
+        block_table: list[int],  # [B * width], rows zero-padded to ``width``
+        width: int,
+    ) -> int | None:
+        """Write a decode batch of B sequences (one new token each) into the graph's
+        buffers, padding rows included, in two host-to-device copies; returns the padded
+        size to ``replay``, or None when no graph fits (nothing written: run it eagerly).
+        The batch's inputs are then ``input_ids[:B]`` etc. (``batch_views``)."""
+        batch = len(input_ids)
+        size = self.padded_size(batch)
+        if size is None or width > self.max_blocks_per_seq:
+            return None
+        if self._copied is not None:
+            self._copied.synchronize()
+        m, w = self.max_batch, self.max_blocks_per_seq
+        ids, meta = self._ids_np, self._meta_np
+        # padding rows: token 0 at position 0, KV slot -1 (nothing written), a context
+        # of one token read from block 0
+        ids[:batch] = input_ids
+        ids[batch:size] = 0
+        ids[m : m + batch] = positions
+        ids[m + batch : m + size] = 0
+        ids[2 * m : 2 * m + batch] = slot_mapping
+        ids[2 * m + batch : 2 * m + size] = -1
+        meta[:batch] = seq_lens
+        meta[batch:size] = 1
+        tables = meta[m : m + size * w].reshape(size, w)
+        tables[:batch, :width] = np.asarray(block_table, dtype=np.int32).reshape(batch, width)
+        tables[batch:size, 0] = 0
+        cuda = self._ids.device.type == "cuda"
+        self._ids.copy_(self._ids_host, non_blocking=cuda)
+        self._meta[: m + size * w].copy_(self._meta_host[: m + size * w], non_blocking=cuda)
+        if cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return size
+
+    def batch_views(self, batch: int, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """``(input_ids, positions, attn)`` of the batch ``stage`` wrote (B rows)."""
+        attn = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:batch],
+            block_tables=self.block_tables[:batch],
+            query_start_loc=self.query_start_loc[: batch + 1],
+            seq_lens=self.seq_lens[:batch],
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+        )
+        return self.input_ids[:batch], self.positions[:batch], attn
+
+    def replay(self, size: int, batch: int) -> torch.Tensor:
+        """``[batch, hidden_size]`` hidden states of the batch ``stage`` wrote (padded to ``size``)."""
+        replay, out = self._graphs[size]
+        replay()
+        return out[:batch]
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
     ) -> torch.Tensor | None:
-        """``[B, hidden_size]`` hidden states of a decode batch (one new token per
-        sequence) from its graph, or None when no graph fits (run it eagerly)."""
+        """``[B, hidden_size]`` hidden states of a decode batch given as device tensors
+        (one new token per sequence) from its graph, or None when no graph fits (run it
+        eagerly). The model runner stages host lists instead (``stage``)."""
         batch = input_ids.shape[0]
         width = attn.block_tables.shape[1]
         if attn.max_query_len != 1 or attn.num_seqs != batch or width > self.max_blocks_per_seq:
@@ -140,7 +221,6 @@ class DecodeGraphs:
         size = self.padded_size(batch)
         if size is None:
             return None
-        replay, out = self._graphs[size]
         self.input_ids[:batch].copy_(input_ids)
         self.positions[:batch].copy_(positions)
         self.slot_mapping[:batch].copy_(attn.slot_mapping)
@@ -152,5 +232,4 @@ class DecodeGraphs:
             self.slot_mapping[batch:size].fill_(-1)
             self.seq_lens[batch:size].fill_(1)
             self.block_tables[batch:size, 0].zero_()
-        replay()
-        return out[:batch]
+        return self.replay(size, batch)

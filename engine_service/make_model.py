@@ -22,7 +22,7 @@ from typing import Any, Literal
 import torch
 
 Arch = Literal["llama", "qwen2", "qwen3"]
-PresetName = Literal["tiny", "hop", "demo", "bench-135m"]
+PresetName = Literal["tiny", "hop", "demo", "bench-135m", "llama-1b"]
 
 ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
@@ -70,6 +70,9 @@ PRESETS: dict[str, Preset] = {
     "hop": Preset(96, 3, 3, 1, 256, 2048, 2048, 10000.0, 0.1, qwen3_head_dim=32),
     "demo": Preset(256, 4, 8, 4, 768, 2048, 2048, 10000.0, 0.08, qwen3_head_dim=64),
     "bench-135m": Preset(576, 30, 9, 3, 1536, 49152, 2048, 100000.0, 0.05, qwen3_head_dim=64),
+    # Llama-3.2-1B's layers (16 x hidden 2048, 32/8 heads, MLP 8192) with bench-135m's
+    # vocabulary: 1.07B parameters, 2.15 GB in bf16 (the GPU check's batch-1 decode).
+    "llama-1b": Preset(2048, 16, 32, 8, 8192, 49152, 2048, 500000.0, 0.02, qwen3_head_dim=64),
 }
 
 # Llama 3.1-style rope scaling of the tiny Llama: original context 256, so that several
@@ -284,7 +287,13 @@ def make_model(
     tokenizer = train_tokenizer(spec.vocab_size, spec.max_position_embeddings)
     tokenizer.save_pretrained(out_dir)
 
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    from transformers.initialization import no_init_weights
+
+    # _randomize_weights sets every parameter: transformers' own init would be wasted
+    # (~10 s for the llama-1b preset).
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.tie_weights()  # (skipped with the init above)
     _randomize_weights(model, seed, std)
     model.generation_config = GenerationConfig(
         bos_token_id=BOS_ID, eos_token_id=[EOS_ID, IM_END_ID], pad_token_id=PAD_ID

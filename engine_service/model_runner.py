@@ -55,6 +55,9 @@ class BatchInputs:
     logit_rows: list[int] = field(default_factory=list)
     # scheduled index -> (first row in the logits, row count) of its prompt-logprobs chunk
     prompt_logit_spans: dict[int, tuple[int, int]] = field(default_factory=dict)
+    # The decode graph's padded size when the inputs were staged into its buffers
+    # (DecodeGraphs.stage; the tensors above are views of them); None: run eagerly.
+    graph_size: int | None = None
 
 
 def kv_cache_block_bytes(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -171,18 +174,25 @@ class ModelRunner:
         for t in tables:
             block_table += t
             block_table += [0] * (max_blocks - len(t))
-        dev = self.device
-        input_ids = torch.tensor(tokens, dtype=torch.int64, device=dev)
-        attn = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(block_table, dtype=torch.int32, device=dev).view(num_seqs, max_blocks),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            max_query_len=max(entry.num_new_tokens for entry in sched.scheduled),
-            max_seq_len=max(seq_lens),
-        )
-        positions = torch.tensor(positions_l, dtype=torch.int64, device=dev)
-        batch = BatchInputs(input_ids, positions, attn, sample_rows, sample_idx, pool_idx)
+        max_query_len = max(entry.num_new_tokens for entry in sched.scheduled)
+        graph_size = None
+        if self.graphs is not None and max_query_len == 1:  # decode only: straight into a graph's inputs
+            graph_size = self.graphs.stage(tokens, positions_l, slots, seq_lens, block_table, max_blocks)
+        if graph_size is not None:
+            input_ids, positions, attn = self.graphs.batch_views(num_seqs, max(seq_lens))
+        else:
+            dev = self.device
+            input_ids = torch.tensor(tokens, dtype=torch.int64, device=dev)
+            attn = AttentionMetadata(
+                slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+                block_tables=torch.tensor(block_table, dtype=torch.int32, device=dev).view(num_seqs, max_blocks),
+                query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+                max_query_len=max_query_len,
+                max_seq_len=max(seq_lens),
+            )
+            positions = torch.tensor(positions_l, dtype=torch.int64, device=dev)
+        batch = BatchInputs(input_ids, positions, attn, sample_rows, sample_idx, pool_idx, graph_size=graph_size)
         for i, entry in enumerate(sched.scheduled):
             request = entry.request
             if not request.prompt_logprobs_pending:
@@ -211,7 +221,9 @@ class ModelRunner:
         if self.executor is not None:
             self.executor.broadcast_step(batch.input_ids, batch.positions, batch.attn, batch.logit_rows)
         try:
-            hidden = self.graphs.forward(batch.input_ids, batch.positions, batch.attn) if self.graphs else None
+            hidden = None
+            if batch.graph_size is not None:
+                hidden = self.graphs.replay(batch.graph_size, batch.input_ids.shape[0])
             if hidden is None:
                 hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
         finally:

@@ -24,6 +24,8 @@ if [[ "${1:-}" == "fetch" ]]; then
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64 --platform any \
         -d "$WHEELS" "${specs[@]}"
+    # py-spy: the split benchmark's CPU profile of the engine and the frontend (--profile)
+    "$PY" -m pip download -q --no-deps --only-binary=:all: --platform manylinux1_x86_64 -d "$WHEELS" py-spy
     du -sh "$WHEELS"
     exit 0
 fi
@@ -33,19 +35,28 @@ mkdir -p "$OUT"
 SITE=/tmp/tandem-gpu-site
 start=$(date +%s)
 python3 -m pip install -q --no-deps --no-index --target "$SITE" "$WHEELS"/*.whl
-export PYTHONPATH="$SITE:$PWD" TANDEM_CACHE_DIR=/tmp/tandem-cache HF_HUB_OFFLINE=1
+export PATH="$SITE/bin:$PATH" PYTHONPATH="$SITE:$PWD" TANDEM_CACHE_DIR=/tmp/tandem-cache HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" | tee -a "$OUT/gpu.txt"
 echo "set-up: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
 
-# CUDA graphs, the Triton kernels compiled (not interpreted) and greedy parity on the GPU.
-python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_graphs.py tests/test_engine_parity.py \
-    2>&1 | tail -5 | tee "$OUT/tests.txt"
+export PYTHONUNBUFFERED=1
+
+# Batch-1 decode of a Llama-3.2-1B shape (2.15 GB in bf16) against its weight-read roofline.
+python3 -m benchmarks.gpu_decode --json "$OUT/decode.json" 2>&1 | grep -v '^\[engine' | tee "$OUT/decode.txt" || true
+echo "after decode: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
 
 # The split at GPU speed: bench-135m's shape in bf16, 1,024 requests of 64-512 prompt ids and
 # 128-256 output tokens, 4 client processes with 1,024 streams; in-process vs the stack.
 python3 -m benchmarks.split_cost --preset bench-135m --num-requests 1024 --concurrency 1024 \
-    --clients 4 --prompt-range 64,512 --output-range 128,256 --modes delta,final \
-    --engine-args "--device cuda --dtype bfloat16 --max-model-len 1024" --json "$OUT/split.json" \
-    2>&1 | grep -v '^\[engine' | tee "$OUT/split.txt"
+    --clients 4 --prompt-range 64,512 --output-range 128,256 --modes "${SPLIT_MODES:-delta,final}" \
+    --engine-args "--device cuda --dtype bfloat16 --max-model-len 1024 ${SPLIT_ENGINE_ARGS:-}" \
+    --profile delta --profile-dir "$OUT" --json "$OUT/split.json" 2>&1 | grep -v '^\[engine' | tee "$OUT/split.txt" || true
+echo "after split: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
+
+# CUDA graphs, the Triton kernels compiled (not interpreted) and greedy parity on the GPU.
+# The fused kernels' numerics compiled on the GPU (the interpreter cases run in CI).
+python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_graphs.py tests/test_engine_parity.py \
+    tests/test_kernels.py -k "not test_kernels or (cuda and (silu or rotary_and_cache))" \
+    2>&1 | tail -5 | tee "$OUT/tests.txt"
 echo "total: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
