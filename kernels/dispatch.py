@@ -21,6 +21,8 @@ class KernelOps:
     paged_attention: Callable[..., Any]
     rms_norm: Callable[..., Any]
     rotary_embedding: Callable[..., None]
+    # rotary_embedding then reshape_and_cache of the rotated key (one kernel on Triton)
+    rotary_and_cache: Callable[..., None]
     silu_and_mul: Callable[..., Any]
     apply_token_bitmask: Callable[..., None]
 
@@ -46,11 +48,35 @@ def get_ops(backend: str) -> KernelOps:
         paged_attention=mod.paged_attention,
         rms_norm=mod.rms_norm,
         rotary_embedding=mod.rotary_embedding,
-        # Native on CPU; elsewhere the reference's two elementwise ops.
+        # Fused on Triton; elsewhere the backend's own two ops, one after the other.
+        rotary_and_cache=getattr(mod, "rotary_and_cache", None)
+        or _composed_rotary_and_cache(mod.rotary_embedding, mod.reshape_and_cache),
+        # Native on CPU, fused on Triton; elsewhere the reference's two elementwise ops.
         silu_and_mul=getattr(mod, "silu_and_mul", _reference_silu_and_mul),
         # A structured-output mask: native on CPU, the (device-agnostic) reference elsewhere.
         apply_token_bitmask=getattr(mod, "apply_token_bitmask", _reference_apply_token_bitmask),
     )
+
+
+def _composed_rotary_and_cache(
+    rotary_embedding: Callable[..., None], reshape_and_cache: Callable[..., None]
+) -> Callable[..., None]:
+    """``rotary_and_cache`` (see ``kernels.reference``) made of a backend's two ops."""
+
+    def rotary_and_cache(
+        positions: Any,  # [num_tokens] int64
+        query: Any,  # [num_tokens, num_heads, head_dim]
+        key: Any,  # [num_tokens, num_kv_heads, head_dim]
+        value: Any,  # [num_tokens, num_kv_heads, head_dim]
+        cos_sin_cache: Any,  # [max_position, head_dim]
+        key_cache: Any,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache: Any,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        slot_mapping: Any,  # [num_tokens] int64; -1 marks a padding token
+    ) -> None:
+        rotary_embedding(positions, query, key, cos_sin_cache)  # in place
+        reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+    return rotary_and_cache
 
 
 def _reference_silu_and_mul(gate_up: Any) -> Any:

@@ -288,6 +288,25 @@ def rotary_embedding(
         t[..., half:] = rotated_2.to(t.dtype)
 
 
+def rotary_and_cache(
+    positions: torch.Tensor,  # [num_tokens] int64
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim]: cos in [:d/2], sin in [d/2:]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 marks a padding token
+) -> None:
+    """``rotary_embedding`` (query and key rotated in place, every token) then
+    ``reshape_and_cache`` of the rotated key and the value (slots < 0 skipped).
+
+    The Triton backend fuses the two into one kernel; this is their definition.
+    """
+    rotary_embedding(positions, query, key, cos_sin_cache)
+    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+
 def apply_token_bitmask(
     logits: torch.Tensor,  # [B, V] float
     bitmask: torch.Tensor,  # [K, ceil(V / 32)] int32; bit j of word w allows token 32 w + j

@@ -1,6 +1,8 @@
-"""Triton kernels for RMSNorm (fused with the residual add) and neox rotary embedding.
+"""Triton kernels for RMSNorm (fused with the residual add), SwiGLU's activation
+(``silu_and_mul``), neox rotary embedding, and rotary embedding fused with the KV-cache
+write (``rotary_and_cache``).
 
-Both load their inputs, compute in float32 and cast only when storing.
+All load their inputs, compute in float32 and cast only when storing.
 """
 
 from __future__ import annotations
@@ -40,6 +42,28 @@ def rms_norm_kernel(
     inv_rms = 1.0 / tl.sqrt(variance + eps)
     w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     out = h * inv_rms * w
+    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def silu_and_mul_kernel(
+    out_ptr,  # [num_tokens, inter]
+    gate_up_ptr,  # [num_tokens, 2 * inter]: gate in [:inter], up in [inter:]
+    inter,
+    stride_out,
+    stride_gate_up,
+    BLOCK: tl.constexpr,  # columns per program, a power of two
+):
+    """Grid (num_tokens, cdiv(inter, BLOCK)): program (t, j) writes columns
+    [j * BLOCK, (j + 1) * BLOCK) of row t, so one token still spreads over many programs."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    gate_ptrs = gate_up_ptr + row * stride_gate_up + cols
+    gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_ptrs + inter, mask=mask, other=0.0).to(tl.float32)
+    # silu(g) = g * sigmoid(g); for g -> -inf, exp(-g) = inf and g / inf = -0 (no NaN).
+    out = gate / (1.0 + tl.exp(-gate)) * up
     tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -96,3 +120,93 @@ def rotary_embedding_kernel(
     k_base = key_ptr + tok * stride_k_tok
     _rotate_heads(q_base, stride_q_head, NUM_HEADS, cos, sin, HALF, HALF_P, HEADS_P)
     _rotate_heads(k_base, stride_k_head, NUM_KV_HEADS, cos, sin, HALF, HALF_P, KV_HEADS_P)
+
+
+@triton.jit
+def rotary_and_cache_kernel(
+    query_ptr,  # [num_tokens, num_heads, head_dim], rotated in place
+    key_ptr,  # [num_tokens, num_kv_heads, head_dim], rotated in place
+    value_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin_ptr,  # [max_position, head_dim]: cos in [:HALF], sin in [HALF:]
+    positions_ptr,  # [num_tokens]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping_ptr,  # [num_tokens]; slot b * block_size + i, or -1 for padding
+    stride_q_tok,
+    stride_q_head,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_tok,
+    stride_v_head,
+    stride_cos_sin,
+    stride_kc_block,
+    stride_kc_row,
+    stride_kc_head,
+    stride_vc_block,
+    stride_vc_row,
+    stride_vc_head,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,  # head_dim // 2
+    HALF_P: tl.constexpr,  # HALF rounded up to a power of two
+    HEADS_P: tl.constexpr,  # NUM_HEADS rounded up to a power of two
+    KV_HEADS_P: tl.constexpr,  # NUM_KV_HEADS rounded up to a power of two
+    BLOCK_SIZE: tl.constexpr,  # rows per cache block
+):
+    """One program per token: ``rotary_embedding_kernel`` then ``reshape_and_cache_kernel``.
+
+    Rotates the token's query heads in place and its key heads in place, and (unless its
+    slot is -1) writes the rotated key rows, rounded to key's dtype as the two-kernel
+    path stores them, and its value rows into the cache slot. Padding tokens are still
+    rotated, as ``rotary_embedding`` rotates every token.
+    """
+    tok = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + tok).to(tl.int64)
+    cols = tl.arange(0, HALF_P)
+    cos_ptrs = cos_sin_ptr + pos * stride_cos_sin + cols
+    cos = tl.load(cos_ptrs, mask=cols < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(cos_ptrs + HALF, mask=cols < HALF, other=0.0).to(tl.float32)
+    q_base = query_ptr + tok * stride_q_tok
+    _rotate_heads(q_base, stride_q_head, NUM_HEADS, cos, sin, HALF, HALF_P, HEADS_P)
+
+    # Key: rotate and store in place (every token, padding ones too).
+    heads = tl.arange(0, KV_HEADS_P)
+    mask = (heads < NUM_KV_HEADS)[:, None] & (cols < HALF)[None, :]  # [KV_HEADS_P, HALF_P]
+    k_first = key_ptr + tok * stride_k_tok + heads[:, None] * stride_k_head + cols[None, :]
+    x1 = tl.load(k_first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(k_first + HALF, mask=mask, other=0.0).to(tl.float32)
+    k1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(key_ptr.dtype.element_ty)
+    k2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(key_ptr.dtype.element_ty)
+    tl.store(k_first, k1, mask=mask)
+    tl.store(k_first + HALF, k2, mask=mask)
+
+    slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
+    if slot >= 0:  # (a branch: the interpreter rejects a block mask & a scalar bool)
+        block = slot // BLOCK_SIZE
+        row = slot % BLOCK_SIZE
+        # The cache gets ``key.to(cache dtype)`` of the key-dtype values just stored,
+        # converted through fp32 as reshape_and_cache_kernel converts them.
+        kc_first = (
+            key_cache_ptr
+            + block * stride_kc_block
+            + row * stride_kc_row
+            + heads[:, None] * stride_kc_head
+            + cols[None, :]
+        )
+        kc_ty = key_cache_ptr.dtype.element_ty
+        tl.store(kc_first, k1.to(tl.float32).to(kc_ty), mask=mask)
+        tl.store(kc_first + HALF, k2.to(tl.float32).to(kc_ty), mask=mask)
+        # Value: a copy into the cache, in the same two halves.
+        v_first = value_ptr + tok * stride_v_tok + heads[:, None] * stride_v_head + cols[None, :]
+        v1 = tl.load(v_first, mask=mask, other=0.0).to(tl.float32)
+        v2 = tl.load(v_first + HALF, mask=mask, other=0.0).to(tl.float32)
+        vc_first = (
+            value_cache_ptr
+            + block * stride_vc_block
+            + row * stride_vc_row
+            + heads[:, None] * stride_vc_head
+            + cols[None, :]
+        )
+        vc_ty = value_cache_ptr.dtype.element_ty
+        tl.store(vc_first, v1.to(vc_ty), mask=mask)
+        tl.store(vc_first + HALF, v2.to(vc_ty), mask=mask)

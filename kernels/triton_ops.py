@@ -23,7 +23,12 @@ from triton.compiler import ASTSource
 
 from kernels.triton_attention import paged_attention_kernel
 from kernels.triton_cache import reshape_and_cache_kernel
-from kernels.triton_layers import rms_norm_kernel, rotary_embedding_kernel
+from kernels.triton_layers import (
+    rms_norm_kernel,
+    rotary_and_cache_kernel,
+    rotary_embedding_kernel,
+    silu_and_mul_kernel,
+)
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -145,13 +150,14 @@ def _check_cache_pair(key_cache: torch.Tensor, value_cache: torch.Tensor) -> Non
     _require_unit_last_stride(value_cache, "value_cache")
 
 
-def plan_reshape_and_cache(
+def _check_cache_write(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens]; -1 marks a padding token
-) -> KernelLaunch:
+) -> None:
+    """The inputs of a KV-cache write (``reshape_and_cache``, ``rotary_and_cache``)."""
     _require_dim(key, 3, "key")
     _require(
         key.shape == value.shape, f"key {tuple(key.shape)} and value {tuple(value.shape)} differ"
@@ -171,6 +177,17 @@ def plan_reshape_and_cache(
         f"slot_mapping must have shape ({num_tokens},), got {tuple(slot_mapping.shape)}",
     )
     _require_dtype(slot_mapping, _INDEX_DTYPES, "slot_mapping")
+
+
+def plan_reshape_and_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens]; -1 marks a padding token
+) -> KernelLaunch:
+    _check_cache_write(key, value, key_cache, value_cache, slot_mapping)
+    num_tokens, num_kv_heads, head_dim = key.shape
     args = {
         "key_ptr": key,
         "value_ptr": value,
@@ -458,19 +475,71 @@ def rms_norm(
     return out, new_residual
 
 
+# ---------------------------------------------------------------- silu_and_mul
+
+# Columns per silu_and_mul program. Small batches (decode) take narrow programs so that
+# one token's row still spreads over many SMs (I = 8192: 32 programs); larger batches
+# have programs enough and take wider ones. Untuned: no GPU was at hand.
+_SILU_BLOCK_SMALL_BATCH = 256
+_SILU_BLOCK = 1024
+_SILU_SMALL_BATCH = 64  # tokens
+
+
+def plan_silu_and_mul(
+    gate_up: torch.Tensor,  # [num_tokens, 2 * inter]: gate in [:inter], up in [inter:]
+    out: torch.Tensor,  # [num_tokens, inter], written
+) -> KernelLaunch:
+    _require_dim(gate_up, 2, "gate_up")
+    _require_dtype(gate_up, _FLOAT_DTYPES, "gate_up")
+    num_tokens, width = gate_up.shape
+    _require(width % 2 == 0, f"gate_up width {width} must be even (gate and up halves)")
+    inter = width // 2
+    _require(
+        out.shape == (num_tokens, inter) and out.dtype == gate_up.dtype,
+        f"out must have shape ({num_tokens}, {inter}) and dtype {gate_up.dtype}, "
+        f"got {tuple(out.shape)} {out.dtype}",
+    )
+    _require_unit_last_stride(gate_up, "gate_up")
+    _require_unit_last_stride(out, "out")
+    wide = _SILU_BLOCK if num_tokens >= _SILU_SMALL_BATCH else _SILU_BLOCK_SMALL_BATCH
+    block = min(wide, _pow2(inter))
+    args = {
+        "out_ptr": out,
+        "gate_up_ptr": gate_up,
+        "inter": inter,
+        "stride_out": out.stride(0),
+        "stride_gate_up": gate_up.stride(0),
+    }
+    grid = (num_tokens, triton.cdiv(inter, block))
+    num_warps = max(1, min(4, block // 256))
+    return KernelLaunch(silu_and_mul_kernel, grid, args, {"BLOCK": block}, num_warps=num_warps)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2I] -> [num_tokens, I]
+    """SwiGLU's activation: ``silu(gate_up[:, :I]) * gate_up[:, I:]``, computed in float32
+    and returned in gate_up's dtype."""
+    _require_dim(gate_up, 2, "gate_up")
+    out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    launch = plan_silu_and_mul(gate_up, out)
+    _require_launchable(gate_up, out)
+    launch.run()
+    return out
+
+
 # ---------------------------------------------------------------- rotary_embedding
 
 
-def plan_rotary_embedding(
+def _check_rotary(
     positions: torch.Tensor,  # [num_tokens]
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
     cos_sin_cache: torch.Tensor,  # [max_position, head_dim]: cos in [:d/2], sin in [d/2:]
-) -> KernelLaunch:
+) -> None:
+    """The inputs of a rotary embedding (``rotary_embedding``, ``rotary_and_cache``)."""
     _require_dim(query, 3, "query")
     _require_dim(key, 3, "key")
     _require_dim(cos_sin_cache, 2, "cos_sin_cache")
-    num_tokens, num_heads, head_dim = query.shape
+    num_tokens, head_dim = query.shape[0], query.shape[2]
     _require(
         key.shape[0] == num_tokens and key.shape[2] == head_dim,
         f"key {tuple(key.shape)} does not match query {tuple(query.shape)}",
@@ -484,6 +553,16 @@ def plan_rotary_embedding(
     for t, name in ((query, "query"), (key, "key"), (cos_sin_cache, "cos_sin_cache")):
         _require_dtype(t, _FLOAT_DTYPES, name)
         _require_unit_last_stride(t, name)
+
+
+def plan_rotary_embedding(
+    positions: torch.Tensor,  # [num_tokens]
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim]: cos in [:d/2], sin in [d/2:]
+) -> KernelLaunch:
+    _check_rotary(positions, query, key, cos_sin_cache)
+    num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     half = head_dim // 2
     args = {
@@ -517,4 +596,80 @@ def rotary_embedding(
     """Neox-style rotary embedding (rotate halves), applied in place to query and key."""
     launch = plan_rotary_embedding(positions, query, key, cos_sin_cache)
     _require_launchable(positions, query, key, cos_sin_cache)
+    launch.run()
+
+
+# ---------------------------------------------------------------- rotary_and_cache
+
+
+def plan_rotary_and_cache(
+    positions: torch.Tensor,  # [num_tokens]
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim]: cos in [:d/2], sin in [d/2:]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens]; -1 marks a padding token
+) -> KernelLaunch:
+    _check_rotary(positions, query, key, cos_sin_cache)
+    _check_cache_write(key, value, key_cache, value_cache, slot_mapping)
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    half = head_dim // 2
+    args = {
+        "query_ptr": query,
+        "key_ptr": key,
+        "value_ptr": value,
+        "cos_sin_ptr": cos_sin_cache,
+        "positions_ptr": positions,
+        "key_cache_ptr": key_cache,
+        "value_cache_ptr": value_cache,
+        "slot_mapping_ptr": slot_mapping,
+        "stride_q_tok": query.stride(0),
+        "stride_q_head": query.stride(1),
+        "stride_k_tok": key.stride(0),
+        "stride_k_head": key.stride(1),
+        "stride_v_tok": value.stride(0),
+        "stride_v_head": value.stride(1),
+        "stride_cos_sin": cos_sin_cache.stride(0),
+        "stride_kc_block": key_cache.stride(0),
+        "stride_kc_row": key_cache.stride(1),
+        "stride_kc_head": key_cache.stride(2),
+        "stride_vc_block": value_cache.stride(0),
+        "stride_vc_row": value_cache.stride(1),
+        "stride_vc_head": value_cache.stride(2),
+    }
+    constexprs = {
+        "NUM_HEADS": num_heads,
+        "NUM_KV_HEADS": num_kv_heads,
+        "HALF": half,
+        "HALF_P": _pow2(half),
+        "HEADS_P": _pow2(num_heads),
+        "KV_HEADS_P": _pow2(num_kv_heads),
+        "BLOCK_SIZE": key_cache.shape[1],
+    }
+    return KernelLaunch(rotary_and_cache_kernel, (num_tokens,), args, constexprs, num_warps=4)
+
+
+def rotary_and_cache(
+    positions: torch.Tensor,  # [num_tokens] int64
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cos_sin_cache: torch.Tensor,  # [max_position, head_dim]: cos in [:d/2], sin in [d/2:]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; -1 marks a padding token
+) -> None:
+    """``rotary_embedding(positions, query, key, cos_sin_cache)`` then
+    ``reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)``, in one launch:
+    query and key are rotated in place and the rotated key and the value are written into
+    their cache slots (slots < 0 are skipped)."""
+    launch = plan_rotary_and_cache(
+        positions, query, key, value, cos_sin_cache, key_cache, value_cache, slot_mapping
+    )
+    _require_launchable(
+        positions, query, key, value, cos_sin_cache, key_cache, value_cache, slot_mapping
+    )
     launch.run()

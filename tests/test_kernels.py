@@ -451,6 +451,129 @@ def case_rotary_embedding(
     return _check_close(qkv, expected, dtype, f"rotary_embedding seed={seed}")
 
 
+def case_silu_and_mul(seed: int, dtype: str, num_tokens: int, inter: int, row_pad: int) -> float:
+    from kernels import reference, triton_ops
+
+    gen = torch.Generator().manual_seed(seed)
+    torch_dtype = _DTYPES[dtype]
+    # row_pad > 0 makes gate_up a strided view, as a slice of a wider activation would be.
+    # Scaled by 4 so that silu's saturated tails are exercised too.
+    wide = torch.randn(num_tokens, 2 * inter + row_pad, generator=gen).mul(4).to(torch_dtype)
+    gate_up = wide[:, : 2 * inter]
+    expected = reference.silu_and_mul(gate_up)
+    # The kernel computes in float32 and rounds once; the reference rounds twice in
+    # float16/bfloat16, so also check against the float32 result, at the same tolerance.
+    expected_f32 = reference.silu_and_mul(gate_up.float())
+    dev = _device()
+    gate_up = wide.to(dev)[:, : 2 * inter]
+    nan = torch.full((num_tokens, inter), float("nan")).to(torch_dtype)
+    out = Guarded((num_tokens, inter), nan, gen)
+    triton_ops.plan_silu_and_mul(gate_up, out.view).run()
+    out.check_guards(f"silu_and_mul out, seed={seed}")
+    err = _check_close(out.view, expected, dtype, f"silu_and_mul seed={seed}")
+    _check_close(out.view, expected_f32, dtype, f"silu_and_mul vs float32, seed={seed}")
+    public = triton_ops.silu_and_mul(gate_up)
+    assert public.dtype == gate_up.dtype and public.shape == (num_tokens, inter)
+    assert torch.equal(public, out.view), "public silu_and_mul differs from the planned launch"
+    return err
+
+
+def case_silu_and_mul_grid(num_tokens: int, inter: int) -> list[int]:
+    """The grid the plan picks, over empty CPU tensors (nothing runs)."""
+    from kernels import triton_ops
+
+    gate_up = torch.empty(num_tokens, 2 * inter, dtype=torch.bfloat16)
+    out = torch.empty(num_tokens, inter, dtype=torch.bfloat16)
+    return list(triton_ops.plan_silu_and_mul(gate_up, out).grid)
+
+
+def case_rotary_and_cache(
+    seed: int,
+    dtype: str,
+    cache_dtype: str,
+    cos_sin_dtype: str,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    num_tokens: int,
+) -> int:
+    """The fused kernel against ``reference.rotary_and_cache`` (rotary_embedding then
+    reshape_and_cache). Returns how many tokens were written into the cache."""
+    from kernels import reference, triton_ops
+
+    gen = torch.Generator().manual_seed(seed)
+    torch_dtype, kv_dtype = _DTYPES[dtype], _DTYPES[cache_dtype]
+    q_width, kv_width = num_heads * head_dim, num_kv_heads * head_dim
+    # q, k and v are strided views into one fused qkv activation, as the model produces them.
+    qkv = torch.randn(num_tokens, q_width + 2 * kv_width, generator=gen).to(torch_dtype)
+    positions = torch.randint(0, 4096, (num_tokens,), generator=gen)
+    cos_sin = _cos_sin_cache(4096, head_dim, _DTYPES[cos_sin_dtype])
+    num_blocks = num_tokens // block_size + 3
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = Guarded(shape, torch.randn(shape, generator=gen).to(kv_dtype), gen)
+    value_cache = Guarded(shape, torch.randn(shape, generator=gen).to(kv_dtype), gen)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    padding = torch.rand(num_tokens, generator=gen) < 0.2
+    padding[0] = True
+    slots[padding] = -1
+
+    def views(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q = t[:, :q_width].view(num_tokens, num_heads, head_dim)
+        k = t[:, q_width : q_width + kv_width].view(num_tokens, num_kv_heads, head_dim)
+        v = t[:, q_width + kv_width :].view(num_tokens, num_kv_heads, head_dim)
+        return q, k, v
+
+    expected = qkv.clone()
+    expected_k, expected_v = key_cache.view.cpu().clone(), value_cache.view.cpu().clone()
+    q, k, v = views(expected)
+    reference.rotary_and_cache(positions, q, k, v, cos_sin, expected_k, expected_v, slots)
+
+    dev = _device()
+    inputs = (positions.to(dev), cos_sin.to(dev), slots.to(dev))
+    public_qkv = qkv.to(dev).clone()  # for the public op, below
+    qkv = qkv.to(dev)
+    q, k, v = views(qkv)
+    triton_ops.plan_rotary_and_cache(
+        inputs[0], q, k, v, inputs[1], key_cache.view, value_cache.view, inputs[2]
+    ).run()
+    key_cache.check_guards(f"key cache, seed={seed}")
+    value_cache.check_guards(f"value cache, seed={seed}")
+    what = f"rotary_and_cache seed={seed}"
+    got = qkv.cpu()
+    assert torch.equal(got[:, q_width + kv_width :], expected[:, q_width + kv_width :]), (
+        f"{what}: wrote into the value part"
+    )
+    _check_close(got, expected, dtype, f"{what}: q and k")
+    got_k, got_v = key_cache.view.cpu(), value_cache.view.cpu()
+    flat = (-1, num_kv_heads, head_dim)
+    written = slots[~padding]
+    unwritten = torch.ones(num_blocks * block_size, dtype=torch.bool)
+    unwritten[written] = False
+    # Slots that no token writes keep their old (random) contents exactly.
+    assert torch.equal(got_k.view(flat)[unwritten], expected_k.view(flat)[unwritten]), what
+    assert torch.equal(got_v.view(flat)[unwritten], expected_v.view(flat)[unwritten]), what
+    # The value is copied exactly; the cached key is exactly the kernel's own rotated key.
+    assert torch.equal(got_v, expected_v), f"{what}: value cache differs"
+    rotated_k = got[:, q_width : q_width + kv_width].reshape(flat)
+    cached_k = got_k.view(flat)[written]
+    assert torch.equal(cached_k, rotated_k[~padding].to(kv_dtype)), f"{what}: cached key != key"
+    # ... and close to the reference's (rounding may differ by an ulp of key's dtype).
+    tol_dtype = dtype if _TOL[dtype] > _TOL[cache_dtype] else cache_dtype
+    _check_close(got_k, expected_k, tol_dtype, f"{what}: key cache")
+
+    # The public op does exactly what the planned launch did.
+    public_k, public_v = key_cache.view.clone(), value_cache.view.clone()
+    public_k.view(flat)[written.to(dev)] = 0
+    public_v.view(flat)[written.to(dev)] = 0
+    q, k, v = views(public_qkv)
+    triton_ops.rotary_and_cache(inputs[0], q, k, v, inputs[1], public_k, public_v, inputs[2])
+    assert torch.equal(public_qkv.cpu(), got), f"{what}: public op's q/k differ"
+    assert torch.equal(public_k.cpu(), got_k), f"{what}: public op's key cache differs"
+    assert torch.equal(public_v.cpu(), got_v), f"{what}: public op's value cache differs"
+    return int((~padding).sum())
+
+
 def case_rejects_bad_input(op: str) -> str:
     from kernels import triton_ops
 
@@ -482,6 +605,49 @@ def case_rejects_bad_input(op: str) -> str:
             torch.randn(2, 4, 64),
             torch.randn(2, 2, 64),
             torch.randn(10, 32),
+        ),
+        "silu_odd_width": lambda: triton_ops.silu_and_mul(torch.randn(2, 9)),
+        "silu_dims": lambda: triton_ops.silu_and_mul(torch.randn(2, 3, 8)),
+        "silu_int": lambda: triton_ops.silu_and_mul(torch.zeros(2, 8, dtype=torch.int32)),
+        "rotary_cache_kv_heads": lambda: triton_ops.rotary_and_cache(
+            torch.zeros(3, dtype=torch.int64),
+            torch.randn(3, 4, 64).to(f16),
+            torch.randn(3, 4, 64).to(f16),  # 4 KV heads; the cache has 2
+            torch.randn(3, 4, 64).to(f16),
+            torch.randn(10, 64),
+            cache,
+            cache,
+            torch.zeros(3, dtype=torch.int64),
+        ),
+        "rotary_cache_value_shape": lambda: triton_ops.rotary_and_cache(
+            torch.zeros(3, dtype=torch.int64),
+            torch.randn(3, 4, 64).to(f16),
+            torch.randn(3, 2, 64).to(f16),
+            torch.randn(2, 2, 64).to(f16),
+            torch.randn(10, 64),
+            cache,
+            cache,
+            torch.zeros(3, dtype=torch.int64),
+        ),
+        "rotary_cache_slot_dtype": lambda: triton_ops.rotary_and_cache(
+            torch.zeros(3, dtype=torch.int64),
+            torch.randn(3, 4, 64).to(f16),
+            torch.randn(3, 2, 64).to(f16),
+            torch.randn(3, 2, 64).to(f16),
+            torch.randn(10, 64),
+            cache,
+            cache,
+            torch.zeros(3),
+        ),
+        "rotary_cache_width": lambda: triton_ops.rotary_and_cache(
+            torch.zeros(3, dtype=torch.int64),
+            torch.randn(3, 4, 64).to(f16),
+            torch.randn(3, 2, 64).to(f16),
+            torch.randn(3, 2, 64).to(f16),
+            torch.randn(10, 32),
+            cache,
+            cache,
+            torch.zeros(3, dtype=torch.int64),
         ),
     }
     try:
@@ -523,6 +689,20 @@ def _plan_for_compile(kernel: str, cfg: dict[str, Any]) -> Any:
         k = torch.empty(8, cfg["num_kv_heads"], hd, dtype=dtype)
         positions = torch.zeros(8, dtype=torch.int64)
         return triton_ops.plan_rotary_embedding(positions, q, k, torch.empty(64, hd))
+    if kernel == "silu_and_mul":
+        gate_up = torch.empty(cfg["tokens"], 2 * cfg["inter"], dtype=dtype)
+        out = torch.empty(cfg["tokens"], cfg["inter"], dtype=dtype)
+        return triton_ops.plan_silu_and_mul(gate_up, out)
+    if kernel == "rotary_and_cache":
+        hd, kvh = cfg["head_dim"], cfg["num_kv_heads"]
+        q = torch.empty(8, cfg["num_heads"], hd, dtype=dtype)
+        k = torch.empty(8, kvh, hd, dtype=dtype)
+        cache = torch.empty(16, 16, kvh, hd, dtype=_DTYPES[cfg["cache_dtype"]])
+        positions = torch.zeros(8, dtype=torch.int64)
+        slots = torch.zeros(8, dtype=torch.int64)
+        return triton_ops.plan_rotary_and_cache(
+            positions, q, k, torch.empty_like(k), torch.empty(64, hd), cache, cache, slots
+        )
     raise ValueError(f"unknown kernel {kernel!r}")
 
 
@@ -752,6 +932,82 @@ def test_rotary_embedding(
 
 
 @pytest.mark.parametrize(
+    ("dtype", "num_tokens", "inter", "row_pad"),
+    [
+        ("float32", 7, 64, 0),
+        ("float16", 5, 1000, 24),  # a partial last column block, strided rows
+        ("bfloat16", 1, 8192, 0),  # batch-1 decode: one row over many programs
+        ("float16", 3, 11, 2),  # narrower than one block
+        ("bfloat16", 70, 1536, 0),  # the wide-block path (>= 64 tokens)
+        ("float32", 2, 4864, 16),
+    ],
+)
+def test_silu_and_mul(
+    numerics: KernelWorker, dtype: str, num_tokens: int, inter: int, row_pad: int
+) -> None:
+    numerics.call(
+        "silu_and_mul",
+        seed=_fresh_seed(),
+        dtype=dtype,
+        num_tokens=num_tokens,
+        inter=inter,
+        row_pad=row_pad,
+    )
+
+
+def test_silu_and_mul_spreads_one_token_over_many_programs(interp: KernelWorker) -> None:
+    tokens, blocks = interp.call("silu_and_mul_grid", num_tokens=1, inter=8192)
+    assert tokens == 1 and blocks >= 16
+    tokens, blocks = interp.call("silu_and_mul_grid", num_tokens=256, inter=8192)
+    assert tokens == 256 and blocks >= 8
+
+
+@pytest.mark.parametrize(
+    (
+        "dtype",
+        "cache_dtype",
+        "cos_sin_dtype",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "block_size",
+    ),
+    [
+        ("float32", "float32", "float32", 8, 8, 32, 16),
+        ("float16", "float16", "float32", 32, 8, 64, 16),  # GQA 4, Llama-3.2-1B's heads
+        ("bfloat16", "bfloat16", "float32", 32, 8, 64, 32),
+        ("bfloat16", "bfloat16", "bfloat16", 8, 1, 128, 16),
+        ("float16", "float32", "float16", 12, 4, 80, 16),  # head_dim 80: padded halves
+        ("float32", "float16", "float32", 6, 3, 96, 32),  # 3 KV heads: padded heads
+        ("bfloat16", "float32", "float32", 7, 7, 16, 16),
+    ],
+)
+def test_rotary_and_cache(
+    numerics: KernelWorker,
+    dtype: str,
+    cache_dtype: str,
+    cos_sin_dtype: str,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+) -> None:
+    written = numerics.call(
+        "rotary_and_cache",
+        seed=_fresh_seed(),
+        dtype=dtype,
+        cache_dtype=cache_dtype,
+        cos_sin_dtype=cos_sin_dtype,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        num_tokens=21,
+    )
+    assert 0 < written < 21
+
+
+@pytest.mark.parametrize(
     "op",
     [
         "gqa_ratio",
@@ -760,6 +1016,13 @@ def test_rotary_embedding(
         "slot_mapping_len",
         "rms_weight",
         "rotary_width",
+        "silu_odd_width",
+        "silu_dims",
+        "silu_int",
+        "rotary_cache_kv_heads",
+        "rotary_cache_value_shape",
+        "rotary_cache_slot_dtype",
+        "rotary_cache_width",
     ],
 )
 def test_rejects_bad_input(interp: KernelWorker, op: str) -> None:
@@ -778,6 +1041,68 @@ def test_reference_ignores_unwritten_cache_rows() -> None:
     batched = reference.paged_attention(**batch, scale=0.2)
     per_seq = _reference_attention_per_seq(batch, 0.2)
     torch.testing.assert_close(batched, per_seq, msg=f"seed={seed}")
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_rotary_and_cache_falls_back_to_the_backends_own_ops(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backend without a fused ``rotary_and_cache`` gets its own ``rotary_embedding``
+    then its own ``reshape_and_cache``; the result is the reference's."""
+    from kernels import cpu_ops, dispatch, reference
+
+    if backend == "cpu" and not cpu_ops.native_available():
+        pytest.skip("no C++ compiler: the cpu backend is not available")
+    seed = _fresh_seed()
+    gen = torch.Generator().manual_seed(seed)
+    num_tokens, num_heads, num_kv_heads, head_dim, block_size = 9, 8, 2, 32, 4
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    positions = torch.randint(0, 256, (num_tokens,), generator=gen)
+    cos_sin = _cos_sin_cache(256, head_dim, torch.float32)
+    caches = torch.randn(2, 5, block_size, num_kv_heads, head_dim, generator=gen)
+    slots = torch.randperm(5 * block_size, generator=gen)[:num_tokens]
+    slots[[0, 4]] = -1
+
+    def run(fn: Callable[..., None], qkv: torch.Tensor, caches: torch.Tensor) -> None:
+        q, k, v = qkv.split([num_heads * head_dim, *[num_kv_heads * head_dim] * 2], dim=1)
+        q = q.view(num_tokens, num_heads, head_dim)
+        k = k.view(num_tokens, num_kv_heads, head_dim)
+        v = v.view(num_tokens, num_kv_heads, head_dim)
+        fn(positions, q, k, v, cos_sin, caches[0], caches[1], slots)
+
+    expected_qkv, expected_caches = qkv.clone(), caches.clone()
+    run(reference.rotary_and_cache, expected_qkv, expected_caches)
+
+    mod = cpu_ops if backend == "cpu" else reference
+    calls: list[str] = []
+    for name in ("rotary_embedding", "reshape_and_cache"):
+        original = getattr(mod, name)
+
+        def spy(*args: Any, _name: str = name, _original: Any = original) -> None:
+            calls.append(_name)
+            _original(*args)
+
+        monkeypatch.setattr(mod, name, spy)
+    if backend == "torch":  # the reference defines the composition itself: hide it
+        monkeypatch.delattr(reference, "rotary_and_cache")
+    run(dispatch.get_ops(backend).rotary_and_cache, qkv, caches)
+    assert calls == ["rotary_embedding", "reshape_and_cache"]
+    torch.testing.assert_close(qkv, expected_qkv, msg=f"seed={seed}")
+    torch.testing.assert_close(caches, expected_caches, msg=f"seed={seed}")
+
+
+def test_triton_backend_has_the_fused_ops() -> None:
+    """The Triton backend exports its own ``silu_and_mul`` and ``rotary_and_cache`` (so
+    ``get_ops('triton')`` takes them, not the fallbacks). Checked in a child process:
+    this one never imports triton."""
+    code = (
+        "from kernels import dispatch, triton_ops\n"
+        "ops = dispatch.get_ops('triton')\n"
+        "assert ops.silu_and_mul is triton_ops.silu_and_mul\n"
+        "assert ops.rotary_and_cache is triton_ops.rotary_and_cache\n"
+    )
+    result = _run_python(["-c", code])
+    assert result.returncode == 0, result.stderr
 
 
 # ------------------------------------------------------------------ tests: sm_90 compilation
@@ -821,6 +1146,21 @@ _COMPILE_CONFIGS: list[tuple[str, dict[str, Any]]] = [
         {"dtype": "bfloat16", "num_heads": 32, "num_kv_heads": 8, "head_dim": 128},
     ),
     ("rotary_embedding", {"dtype": "float16", "num_heads": 12, "num_kv_heads": 4, "head_dim": 64}),
+    ("silu_and_mul", {"dtype": "bfloat16", "tokens": 1, "inter": 8192}),
+    ("silu_and_mul", {"dtype": "float16", "tokens": 256, "inter": 14336}),
+    ("silu_and_mul", {"dtype": "float32", "tokens": 3, "inter": 1000}),
+    *[
+        (
+            "rotary_and_cache",
+            {"dtype": d, "cache_dtype": c, "num_heads": h, "num_kv_heads": kvh, "head_dim": hd},
+        )
+        for d, c, h, kvh, hd in [
+            ("bfloat16", "bfloat16", 32, 8, 64),  # Llama-3.2-1B
+            ("bfloat16", "bfloat16", 32, 8, 128),  # Llama-3-8B
+            ("float16", "float16", 64, 8, 128),  # Llama-3-70B
+            ("float16", "float32", 12, 4, 80),
+        ]
+    ],
 ]
 
 

@@ -145,9 +145,11 @@ class Attention(nn.Module):
             k, _ = self.ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm.weight, self.eps)
             q = q.view(num_tokens, self.num_heads, self.head_dim)
             k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        self.ops.rotary_embedding(positions, q, k, cos_sin_cache)  # in place
         key_cache, value_cache = kv_cache
-        self.ops.reshape_and_cache(k, v, key_cache, value_cache, attn_metadata.slot_mapping)
+        # Rotates q and k in place, then writes the rotated k and v into their cache slots.
+        self.ops.rotary_and_cache(
+            positions, q, k, v, cos_sin_cache, key_cache, value_cache, attn_metadata.slot_mapping
+        )
         self.ops.paged_attention(
             q,
             key_cache,
