@@ -23,6 +23,7 @@ import torch
 
 from engine_service.config import EngineConfig
 from engine_service.core import EngineCore
+from engine_service.step_pipeline import StepPipeline
 from tandem.protocol.outputs import EngineCoreRequest
 from tandem.protocol.sampling_params import SamplingParams
 
@@ -118,15 +119,34 @@ def main(argv: list[str] | None = None) -> int:
     vocab = core.model_config.vocab_size
     prompt = [rng.randrange(5, vocab) for _ in range(args.prompt_len)]
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 64, ignore_eos=True)
+
+    def decode_ms(request_id: str) -> float:
+        """Milliseconds per token of one sequence's steady decode."""
+        core.add_request(EngineCoreRequest(request_id, prompt, params))
+        for _ in range(8):  # prefill, then warm decode steps
+            core.step()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            core.step()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / args.steps * 1e3
+
+    step_ms = decode_ms("decode-sync")
+    # The same with async scheduling (step_pipeline.py): the host work of a step overlaps
+    # the previous step's forward.
+    core.abort_requests(["decode-sync"])
+    while core.has_unfinished_requests():
+        core.step()
+    core.pipeline = StepPipeline(core)
+    async_ms = decode_ms("decode-async")
+    core.abort_requests(["decode-async"])
+    while core.has_unfinished_requests():
+        core.step()
+    core.pipeline = None
     core.add_request(EngineCoreRequest("decode-0", prompt, params))
-    for _ in range(8):  # prefill, then warm decode steps
+    for _ in range(8):
         core.step()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        core.step()
-    torch.cuda.synchronize()
-    step_ms = (time.perf_counter() - start) / args.steps * 1e3
 
     graphs = core.runner.graphs
     graph_ms = head_ms = float("nan")
@@ -146,13 +166,16 @@ def main(argv: list[str] | None = None) -> int:
         "weights_gb": weights / 1e9, "copy_tb_s": rate / 1e12, "load_s": load_s,
         "step_ms": step_ms, "tok_s": 1e3 / step_ms, "roofline_ms": roof_ms,
         "of_roofline": roof_ms / step_ms, "graph_ms": graph_ms, "lm_head_ms": head_ms,
-        "host_ms": step_ms - graph_ms - head_ms, "kernels": kernels,
+        "host_ms": step_ms - graph_ms - head_ms, "async_step_ms": async_ms,
+        "async_of_roofline": roof_ms / async_ms, "kernels": kernels,
     }
     print(f"{result['gpu']}: weights {weights / 1e9:.2f} GB, copy {rate / 1e12:.2f} TB/s -> roofline "
           f"{roof_ms:.3f} ms/token; engine loaded in {load_s:.1f} s")
     print(f"batch-1 decode {step_ms:.3f} ms/token ({1e3 / step_ms:.0f} tok/s) = {roof_ms / step_ms:.0%} of the "
           f"roofline; graph replay {graph_ms:.3f} ms, LM head + argmax {head_ms:.3f} ms, "
           f"host and the rest {result['host_ms']:.3f} ms")
+    print(f"with async scheduling {async_ms:.3f} ms/token ({1e3 / async_ms:.0f} tok/s) = "
+          f"{roof_ms / async_ms:.0%} of the roofline")
     print("GPU kernels of one eager decode step (torch profiler; the graph holds the same kernels):")
     for row in kernels[:15]:
         print(f"  {row['us_per_step']:8.1f} us  {row['calls_per_step']:5.1f}x  {row['name'][:90]}")

@@ -371,6 +371,26 @@ def run_clients(stack: Stack, mode: str, work_path: str, clients: int, concurren
     }
 
 
+def _engine_kwargs(args: list[str]) -> dict[str, Any]:
+    """Engine flags as ``LLM`` keyword arguments: ``--max-num-seqs 256`` -> 256, a bare
+    ``--async-scheduling`` -> True, ``--no-x`` -> x False."""
+    kwargs: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        name = args[i].removeprefix("--").replace("-", "_")
+        if i + 1 < len(args) and not args[i + 1].startswith("--"):
+            value = args[i + 1]
+            kwargs[name] = int(value) if value.isdigit() else value
+            i += 2
+        else:
+            if name.startswith("no_"):
+                kwargs[name.removeprefix("no_")] = False
+            else:
+                kwargs[name] = True
+            i += 1
+    return kwargs
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  allow_abbrev=False)
@@ -404,6 +424,7 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {', '.join(MODES)}")
     ap.add_argument("--no-local", action="store_true", help="skip the in-process run")
+    ap.add_argument("--no-stack", action="store_true", help="only the in-process run")
     ap.add_argument("--profile", default="", help="modes to profile with py-spy (comma-separated; needs py-spy)")
     ap.add_argument("--profile-dir", default=".", help="where the profiles go (default .)")
     ap.add_argument("--smoke", action="store_true", help="16 requests, 8 streams, short outputs")
@@ -432,10 +453,7 @@ def main() -> int:
     channels = args.channels or (1 if args.frontends == 1 else 2 * args.frontends)
     engine_args = ["--num-threads", "1", "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "512",
                    *shlex.split(args.engine_args)]
-    engine_kwargs: dict[str, Any] = {
-        flag.removeprefix("--").replace("-", "_"): int(value) if value.isdigit() else value
-        for flag, value in zip(engine_args[::2], engine_args[1::2])
-    }
+    engine_kwargs = _engine_kwargs(engine_args)
     mismatches = 0
     result: dict[str, Any] = {"model": model, "num_requests": args.num_requests,
                               "concurrency": args.concurrency, "clients": args.clients,
@@ -452,38 +470,42 @@ def main() -> int:
             result["local"] = local
             print(f"  in-process LLM     {local['tok_s']:9.1f} tok/s   CPU/token: "
                   f"{local['us_per_token']['in-process']:.1f} us", flush=True)
-        stack = Stack(model, args.frontends, engine_args, shlex.split(args.serve_args))
+        if args.no_stack:
+            modes = []
+        stack = Stack(model, args.frontends, engine_args, shlex.split(args.serve_args)) if modes else None
         try:
-            result["ready_s"] = stack.wait_ready()
-            print(f"  (stack SERVING {result['ready_s']:.1f} s after launch)", flush=True)
-            # Warm-up, untimed: a tenth of the workload through gRPC.
-            warm = work.slice(0, 10)
-            with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-                f.write(warm.to_json())
-            run_clients(stack, "delta", f.name, 1, args.concurrency)
-            os.unlink(f.name)
-            for mode in modes:
-                profile_dir = args.profile_dir if mode in args.profile.split(",") else ""
-                run = run_clients(stack, mode, work_path, args.clients, args.concurrency, channels, profile_dir)
-                result["runs"].append(run)
-                us = run["us_per_token"]
-                total = us["frontend"] + us["engine"]
-                line = (f"  stack {mode:<12} {run['tok_s']:9.1f} tok/s   CPU/token: frontend"
-                        f" {us['frontend']:.1f} + engine {us['engine']:.1f} = {total:.1f} us")
-                if "local" in result:
-                    line += f"  ({total / result['local']['us_per_token']['in-process']:.2f}x in-process)"
-                if run["messages"]:
-                    line += f"; {run['tokens'] / run['messages']:.2f} tokens/message"
-                print(line, flush=True)
-                local = result.get("local")
-                if local is not None and run["tokens"] != local["tokens"]:
-                    mismatches += 1
-                    print(f"    ! {run['tokens']} tokens, in-process {local['tokens']}", flush=True)
-                if local is not None and run["digest"] not in (None, local["digest"]):
-                    mismatches += 1
-                    print("    ! token ids differ from the in-process run's", flush=True)
+            if stack is not None:
+                result["ready_s"] = stack.wait_ready()
+                print(f"  (stack SERVING {result['ready_s']:.1f} s after launch)", flush=True)
+                # Warm-up, untimed: a tenth of the workload through gRPC.
+                warm = work.slice(0, 10)
+                with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+                    f.write(warm.to_json())
+                run_clients(stack, "delta", f.name, 1, args.concurrency)
+                os.unlink(f.name)
+                for mode in modes:
+                    profile_dir = args.profile_dir if mode in args.profile.split(",") else ""
+                    run = run_clients(stack, mode, work_path, args.clients, args.concurrency, channels, profile_dir)
+                    result["runs"].append(run)
+                    us = run["us_per_token"]
+                    total = us["frontend"] + us["engine"]
+                    line = (f"  stack {mode:<12} {run['tok_s']:9.1f} tok/s   CPU/token: frontend"
+                            f" {us['frontend']:.1f} + engine {us['engine']:.1f} = {total:.1f} us")
+                    if "local" in result:
+                        line += f"  ({total / result['local']['us_per_token']['in-process']:.2f}x in-process)"
+                    if run["messages"]:
+                        line += f"; {run['tokens'] / run['messages']:.2f} tokens/message"
+                    print(line, flush=True)
+                    local = result.get("local")
+                    if local is not None and run["tokens"] != local["tokens"]:
+                        mismatches += 1
+                        print(f"    ! {run['tokens']} tokens, in-process {local['tokens']}", flush=True)
+                    if local is not None and run["digest"] not in (None, local["digest"]):
+                        mismatches += 1
+                        print("    ! token ids differ from the in-process run's", flush=True)
         finally:
-            stack.stop()
+            if stack is not None:
+                stack.stop()
     finally:
         os.unlink(work_path)
     if args.json:

@@ -97,6 +97,16 @@ class EngineConfig:
             "parallelism): a small model's decode step is bound by kernel launches otherwise."
         },
     )
+    async_scheduling: bool = field(
+        default=False,
+        metadata={
+            "help": "Schedule and launch each step before the previous one's sampled tokens "
+            "are read back (vLLM's async scheduling): on a GPU the host work of a step "
+            "overlaps the device's. Same tokens; outputs come one step later. Steps with "
+            "penalties, logprobs, structured output, pooling, LoRA or tensor parallelism "
+            "run as before."
+        },
+    )
     linear_backend: Literal["auto", "torch", "onednn", "panel"] = field(
         default="auto",
         metadata={

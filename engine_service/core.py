@@ -39,6 +39,7 @@ from engine_service.scheduler import Scheduler, SchedulerOutput
 from engine_service.sessions import Sessions
 from engine_service.sleep_mode import SleepMode
 from engine_service.step_observer import StepObserver
+from engine_service.step_pipeline import StepPipeline
 from engine_service.structured_output import StructuredOutputManager
 from engine_service.thread_governor import ThreadGovernor
 from engine_service.validation import RequestValidation
@@ -174,6 +175,7 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
         self.scheduler.pre_schedule_hooks.append(self.structured.end_failed)
         self.admission = AdmissionController(self._admission_limits())
         self.observer = StepObserver(self.scheduler, self.admission.drain_rate, self.governor)
+        self.pipeline = StepPipeline(self) if config.async_scheduling else None
         self.sleep_level = 0  # 0: awake; 1: KV cache released; 2: weights released too
         self.profiler = Profiler(config.profiler_dir, engine_index)
         if config.torch_device.type == "cuda" and config.resolved_attention_backend == "triton":
@@ -363,7 +365,8 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
         self.scheduler.abort(list(request_ids))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        """Requests in the engine, or (async scheduling) a step whose outputs are not out yet."""
+        return self.scheduler.num_unfinished > 0 or (self.pipeline is not None and self.pipeline.busy)
 
     def reset_prefix_cache(self) -> int:
         return self.kv_manager.reset_prefix_cache()
@@ -372,11 +375,19 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
 
     def step(self) -> EngineCoreOutputs:
         """Schedule, run the model, update request state, and report what happened."""
-        sched = self.scheduler.schedule()
+        if self.pipeline is not None:  # async scheduling: step_pipeline.py
+            return self.pipeline.step()
+        return self.run_step(self.scheduler.schedule())
+
+    def run_step(self, sched: SchedulerOutput) -> EngineCoreOutputs:
         with self.observer.execute(sched):
             result = self._execute(sched)
         finished = self.scheduler.update_after_step(sched, result.sampled, result.pooled)
-        return self._make_outputs(sched, result, finished)
+        return self.make_outputs(sched, result, finished)
+
+    def empty_outputs(self) -> EngineCoreOutputs:
+        """A step's outputs with nothing in them (a step that only launched work)."""
+        return EngineCoreOutputs(engine_index=self.engine_index, scheduler_stats=self.scheduler.stats())
 
     def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
         if sched.is_empty:
@@ -423,7 +434,7 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
         if torch.cuda.is_available() and self.config.torch_device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _make_outputs(
+    def make_outputs(
         self, sched: SchedulerOutput, result: RunnerOutput, finished: list[Request]
     ) -> EngineCoreOutputs:
         # A request that only got its token this step (the common decode case) goes into
@@ -504,7 +515,7 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
         """Outputs for aborts made while idle (no step would otherwise report them)."""
         if not self.scheduler.has_ended:
             return None
-        return self._make_outputs(SchedulerOutput(), RunnerOutput(), [])
+        return self.make_outputs(SchedulerOutput(), RunnerOutput(), [])
 
 
 def warm_up_shapes(

@@ -15,7 +15,7 @@ from engine_service.config import ConfigError, EngineConfig
 from engine_service.cuda_graphs import DecodeGraphs
 from engine_service.kv_cache.manager import KVCacheManager
 from engine_service.lora import LoRAManager
-from engine_service.request import Request
+from engine_service.request import PENDING_TOKEN, Request
 from engine_service.sampler import (
     LogprobsTensors,
     Sampler,
@@ -58,6 +58,32 @@ class BatchInputs:
     # The decode graph's padded size when the inputs were staged into its buffers
     # (DecodeGraphs.stage; the tensors above are views of them); None: run eagerly.
     graph_size: int | None = None
+    # Async scheduling: (row, request id) of the input tokens that are placeholders for
+    # the previous step's sampled tokens, filled in on the device (``launch``).
+    pending: list[tuple[int, str]] = field(default_factory=list)
+
+
+class InFlight:
+    """The sampled tokens of a launched step: ``tokens`` [B] on the device, in the order
+    of ``request_ids``, copied to the host without blocking; ``wait`` reads them."""
+
+    def __init__(self, request_ids: list[str], tokens: torch.Tensor) -> None:
+        self.request_ids = request_ids
+        self.tokens = tokens
+        self.index = {rid: i for i, rid in enumerate(request_ids)}
+        self._event: torch.cuda.Event | None = None
+        if tokens.is_cuda:
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = tokens
+
+    def wait(self) -> RunnerOutput:
+        if self._event is not None:
+            self._event.synchronize()
+        return RunnerOutput(sampled=dict(zip(self.request_ids, self._host.tolist(), strict=True)))
 
 
 def kv_cache_block_bytes(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -149,12 +175,15 @@ class ModelRunner:
         sample_rows: list[int] = []
         sample_idx: list[int] = []
         pool_idx: list[int] = []
+        pending: list[tuple[int, str]] = []  # (row, request id) of placeholder input tokens
         for i, entry in enumerate(sched.scheduled):
             request = entry.request
             start, n = request.num_computed_tokens, entry.num_new_tokens
             block_ids = self.kv.block_ids(request.request_id)
             tokens.extend(request.all_token_ids[start : start + n])
             if n == 1:
+                if request.all_token_ids[start] == PENDING_TOKEN:  # async: still on the device
+                    pending.append((len(tokens) - 1, request.request_id))
                 positions_l.append(start)
                 slots.append(block_ids[start // bs] * bs + start % bs)
             else:
@@ -192,7 +221,9 @@ class ModelRunner:
                 max_seq_len=max(seq_lens),
             )
             positions = torch.tensor(positions_l, dtype=torch.int64, device=dev)
-        batch = BatchInputs(input_ids, positions, attn, sample_rows, sample_idx, pool_idx, graph_size=graph_size)
+        batch = BatchInputs(
+            input_ids, positions, attn, sample_rows, sample_idx, pool_idx, graph_size=graph_size, pending=pending
+        )
         for i, entry in enumerate(sched.scheduled):
             request = entry.request
             if not request.prompt_logprobs_pending:
@@ -278,6 +309,67 @@ class ModelRunner:
             if num is not None and result.logprobs is not None:
                 out.logprobs[request.request_id] = result.logprobs.to_logprobs([row], num)
         return out
+
+    # ---- async scheduling: launch now, read the tokens back later ----------------------
+
+    def pipelinable(self, sched: SchedulerOutput) -> bool:
+        """Whether ``launch`` can run this step while the previous one's tokens are still
+        on the device: nothing in it reads a request's earlier tokens on the host
+        (penalties, structured output, logprobs) or returns more than a token (pooling,
+        prompt logprobs), on one process without adapters."""
+        if self.lora is not None or self.executor is not None:
+            return False
+        for entry in sched.scheduled:
+            request = entry.request
+            if request.pooling_params is not None or request.structured is not None:
+                return False
+            if request.prompt_logprobs_pending:
+                return False
+            p = request.sampling_params
+            if p.logprobs is not None or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+                return False
+        return True
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, previous: InFlight | None) -> InFlight:
+        """Queue a ``pipelinable`` step's forward and sampling on the device and return
+        without waiting for it. Placeholder input tokens (``PENDING_TOKEN``) are taken
+        from ``previous``'s sampled tokens on the device."""
+        batch = self._prepare(sched)
+        if batch.pending:
+            if previous is None:
+                raise RuntimeError("a placeholder token without the step that samples it")
+            dev = batch.input_ids.device
+            rows = torch.tensor([row for row, _ in batch.pending], dtype=torch.int64, device=dev)
+            src = torch.tensor([previous.index[rid] for _, rid in batch.pending], dtype=torch.int64, device=dev)
+            batch.input_ids[rows] = previous.tokens[src].to(batch.input_ids.dtype)
+        requests = [sched.scheduled[i].request for i in batch.sample_idx]
+        hidden = None
+        if batch.graph_size is not None:
+            hidden = self.graphs.replay(batch.graph_size, batch.input_ids.shape[0])
+        if hidden is None:
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
+        rows_l = batch.sample_rows
+        if not rows_l:  # prefill chunks only: nothing sampled
+            return InFlight([], torch.empty(0, dtype=torch.int64, device=hidden.device))
+        h = hidden if rows_l == list(range(hidden.shape[0])) else hidden[rows_l]
+        if all(argmax_suffices(r.sampling_params, len(r.output_token_ids), r.eos_token_id) for r in requests):
+            tokens = self.model.greedy_tokens(h)
+            if tokens is None:
+                tokens = self.sampler.argmax(self.model.compute_logits(h))
+        else:
+            logits = self.model.compute_logits(h)
+            metadata = SamplingMetadata.from_requests(
+                [r.sampling_params for r in requests],
+                [r.prompt_token_ids for r in requests],
+                [r.output_token_ids for r in requests],
+                [r.sampling_params.seed for r in requests],
+                [r.eos_token_id for r in requests],
+                self.model_config.vocab_size,
+                logits.device,
+            )
+            tokens = self.sampler(logits, metadata).sampled_token_ids
+        return InFlight([r.request_id for r in requests], tokens)
 
     def _pool(
         self, sched: SchedulerOutput, batch: BatchInputs, hidden: torch.Tensor, out: RunnerOutput

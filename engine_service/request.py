@@ -103,6 +103,10 @@ class RequestTimes:
         return self.finished - self.arrival
 
 
+# Stands in ``all_token_ids`` for a token sampled on the device and not yet read back.
+PENDING_TOKEN = -1
+
+
 class Request:
     """One sequence being generated.
 
@@ -155,6 +159,9 @@ class Request:
         # prompt + output; appended to as tokens are sampled.
         self.all_token_ids: list[int] = list(prompt_token_ids) + self.output_token_ids
         self.num_computed_tokens = 0
+        # Async scheduling: trailing PENDING_TOKEN placeholders of tokens sampled on the
+        # device but not yet read back (0 or 1); see Scheduler.advance_in_flight.
+        self.num_pending_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet
         self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None

@@ -13,7 +13,7 @@ from engine_service.admission import PrefillBound
 from engine_service.kv_cache.manager import KVCacheManager
 from engine_service.kv_transfer import KvConnector, NoConnector
 from engine_service.kv_transfer.scheduling import KvTransferScheduling
-from engine_service.request import Request, RequestStatus
+from engine_service.request import PENDING_TOKEN, Request, RequestStatus
 from engine_service.structured_output import Advance
 from engine_service.waiting_queue import WaitingQueue
 from tandem.protocol.outputs import ErrorCode, FinishReason, RequestError, SchedulerStats
@@ -423,24 +423,52 @@ class Scheduler(KvTransferScheduling):
 
     # ---- after the forward pass -----------------------------------------------
 
+    def advance_in_flight(self, out: SchedulerOutput) -> None:
+        """Async scheduling: count a launched step's tokens as computed before its sampled
+        tokens are known, so the next step can be scheduled while it runs. Each request
+        that samples gets a placeholder token (PENDING_TOKEN, ``num_pending_tokens``),
+        which the next step reads from the device and ``update_after_step(...,
+        advanced=True)`` replaces. Requests that ended since ``out`` was scheduled are
+        left alone (what the step computed for them is dropped)."""
+        for entry in out.scheduled:
+            request = entry.request
+            if request.status != RequestStatus.RUNNING:
+                continue
+            samples = entry.samples
+            request.num_computed_tokens += entry.num_new_tokens
+            self.kv.cache_blocks(request)  # full blocks of known tokens only
+            if samples:
+                request.append_output_token(PENDING_TOKEN)
+                request.num_pending_tokens += 1
+
     def update_after_step(
-        self, out: SchedulerOutput, sampled: dict[str, int], pooled: Collection[str] = ()
+        self,
+        out: SchedulerOutput,
+        sampled: dict[str, int],
+        pooled: Collection[str] = (),
+        advanced: bool = False,
     ) -> list[Request]:
         """Advance computed tokens, append sampled tokens, apply stop checks.
 
         ``sampled`` maps request id -> the token sampled for it this step; ``pooled``
         holds the pooling requests whose vector this step completed (they finish with
         STOP). Returns the requests that finished this step (already removed and freed).
+        ``advanced``: ``advance_in_flight(out)`` already counted the computed tokens and
+        appended placeholders, which the sampled tokens now replace; requests that
+        ended meanwhile are skipped.
         """
         finished = []
         now = time.monotonic()
         for entry in out.scheduled:
             request = entry.request
             times = request.times
+            if advanced and self.requests.get(request.request_id) is not request:
+                continue  # ended since (finished, aborted, expired, parked)
             if times.first_token is None:  # the first prefill, chunk by chunk
                 times.prefill_chunks.append((self._step_start, now, entry.num_new_tokens))
-            request.num_computed_tokens += entry.num_new_tokens
-            self.kv.cache_blocks(request)
+            if not advanced:
+                request.num_computed_tokens += entry.num_new_tokens
+                self.kv.cache_blocks(request)
             if request.request_id in pooled:
                 times.first_token = now
                 self._num_prompt_tokens += request.num_prompt_tokens
@@ -451,7 +479,11 @@ class Scheduler(KvTransferScheduling):
             token = sampled.get(request.request_id)
             if token is None:
                 continue
-            request.append_output_token(token)
+            if advanced:  # the step's placeholder is the request's last token
+                request.output_token_ids[-1] = request.all_token_ids[-1] = token
+                request.num_pending_tokens -= 1
+            else:
+                request.append_output_token(token)
             self._num_generation_tokens += 1
             if times.first_token is None:
                 times.first_token = now
@@ -469,7 +501,7 @@ class Scheduler(KvTransferScheduling):
                 elif advance is Advance.COMPLETE and reason is None:
                     reason = FinishReason.STOP  # the constraint is complete
             if reason is not None:
-                self.running.remove(request)
+                self._unqueue(request)  # running; or waiting, preempted since it was launched
                 if request.resumable and reason in (FinishReason.STOP, FinishReason.LENGTH):
                     self._park(request, reason, stop_reason, now)
                 else:

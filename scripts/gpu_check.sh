@@ -48,15 +48,20 @@ echo "after decode: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
 
 # The split at GPU speed: bench-135m's shape in bf16, 1,024 requests of 64-512 prompt ids and
 # 128-256 output tokens, 4 client processes with 1,024 streams; in-process vs the stack.
-python3 -m benchmarks.split_cost --preset bench-135m --num-requests 1024 --concurrency 1024 \
-    --clients 4 --prompt-range 64,512 --output-range 128,256 --modes "${SPLIT_MODES:-delta,final}" \
-    --engine-args "--device cuda --dtype bfloat16 --max-model-len 1024 ${SPLIT_ENGINE_ARGS:-}" \
-    --profile delta --profile-dir "$OUT" --json "$OUT/split.json" 2>&1 | grep -v '^\[engine' | tee "$OUT/split.txt" || true
+# In-process without async scheduling first (its gain), then everything with it.
+SPLIT=(--preset bench-135m --num-requests 1024 --concurrency 1024 --clients 4 --prompt-range 64,512
+       --output-range 128,256)
+ENGINE_ARGS="--device cuda --dtype bfloat16 --max-model-len 1024"
+python3 -m benchmarks.split_cost "${SPLIT[@]}" --no-stack --engine-args "$ENGINE_ARGS" \
+    2>&1 | grep -v '^\[engine' | tee "$OUT/split.txt" || true
+python3 -m benchmarks.split_cost "${SPLIT[@]}" --modes "${SPLIT_MODES:-delta,final}" \
+    --engine-args "$ENGINE_ARGS --async-scheduling" --profile delta --profile-dir "$OUT" \
+    --json "$OUT/split.json" 2>&1 | grep -v '^\[engine' | tee -a "$OUT/split.txt" || true
 echo "after split: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
 
-# CUDA graphs, the Triton kernels compiled (not interpreted) and greedy parity on the GPU.
-# The fused kernels' numerics compiled on the GPU (the interpreter cases run in CI).
+# CUDA graphs, greedy parity on the GPU (the Triton kernels compiled, not interpreted; with
+# and without async scheduling) and the fused kernels' numerics there. Their CPU cases run in CI.
 python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_graphs.py tests/test_engine_parity.py \
-    tests/test_kernels.py -k "not test_kernels or (cuda and (silu or rotary_and_cache))" \
+    tests/test_kernels.py -k "test_cuda_graphs or (cuda and (test_engine_parity or silu or rotary_and_cache))" \
     2>&1 | tail -5 | tee "$OUT/tests.txt"
 echo "total: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"

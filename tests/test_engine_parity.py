@@ -1,8 +1,8 @@
 """EngineCore greedy output equals Hugging Face generate(), token for token.
 
-Four set-ups per architecture: everything fits; a small token budget that forces
-chunked prefill; so few KV blocks that requests are preempted and recomputed; and
-prefix caching over shared prefixes.
+Set-ups per architecture: everything fits; a small token budget that forces chunked
+prefill; so few KV blocks that requests are preempted and recomputed; prefix caching
+over shared prefixes; the last two again with async scheduling.
 """
 
 from __future__ import annotations
@@ -75,6 +75,10 @@ SETUPS: dict[str, dict[str, object]] = {
         max_num_batched_tokens=256, enable_prefix_caching=False, attention_backend="torch", linear_backend="torch"
     ),
 }
+# Async scheduling (engine_service/step_pipeline.py): preemption and prefix caching while a
+# step is in flight.
+SETUPS["async-preempt"] = {**SETUPS["preempt"], "async_scheduling": True}
+SETUPS["async-prefix"] = {**SETUPS["prefix"], "async_scheduling": True}
 for _setup in SETUPS.values():
     _setup["device"] = "cpu"
 if torch.cuda.is_available():
@@ -89,6 +93,7 @@ if torch.cuda.is_available():
         # Not gpu_memory_utilization's share: engines of earlier tests still hold theirs.
         num_gpu_blocks_override=1024,
     )
+    SETUPS["cuda-float32-async"] = {**SETUPS["cuda-float32"], "async_scheduling": True}
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -116,7 +121,7 @@ def test_greedy_matches_hf(arch_case, setup: str) -> None:  # type: ignore[no-un
         assert tokens[f"r{i}"] == want, f"{setup}: prompt {i} (len {len(prompts[i])}) diverged"
     # The diversity that makes this comparison bite.
     assert len(set(expected[0])) > 4
-    if setup == "preempt":
+    if setup.endswith("preempt"):
         assert preemptions > 0
     if prefix_caching:
         assert sum(cached.values()) > 0

@@ -41,11 +41,12 @@ class KVCacheManager:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
     def _update_block_hashes(self, request: Request) -> None:
-        """Extend ``request.block_hashes`` to cover every full block of its tokens."""
+        """Extend ``request.block_hashes`` to cover every full block of its known tokens
+        (a trailing placeholder of async scheduling is not hashed)."""
         bs = self.block_size
         tokens = request.all_token_ids
         hashes = request.block_hashes
-        for i in range(len(hashes), len(tokens) // bs):
+        for i in range(len(hashes), (len(tokens) - request.num_pending_tokens) // bs):
             parent = hashes[-1] if hashes else None
             salt = request.cache_extra if i == 0 else None
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], salt))
