@@ -210,17 +210,17 @@ class ModelRunner:
         if graph_size is not None:
             input_ids, positions, attn = self.graphs.batch_views(num_seqs, max(seq_lens))
         else:
-            dev = self.device
-            input_ids = torch.tensor(tokens, dtype=torch.int64, device=dev)
+            put = self._to_device
+            input_ids = put(tokens, torch.int64)
             attn = AttentionMetadata(
-                slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-                block_tables=torch.tensor(block_table, dtype=torch.int32, device=dev).view(num_seqs, max_blocks),
-                query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+                slot_mapping=put(slots, torch.int64),
+                block_tables=put(block_table, torch.int32).view(num_seqs, max_blocks),
+                query_start_loc=put(query_start, torch.int32),
+                seq_lens=put(seq_lens, torch.int32),
                 max_query_len=max_query_len,
                 max_seq_len=max(seq_lens),
             )
-            positions = torch.tensor(positions_l, dtype=torch.int64, device=dev)
+            positions = put(positions_l, torch.int64)
         batch = BatchInputs(
             input_ids, positions, attn, sample_rows, sample_idx, pool_idx, graph_size=graph_size, pending=pending
         )
@@ -236,6 +236,14 @@ class ModelRunner:
                 batch.logit_rows.extend(range(row0, row0 + count))
         batch.logit_rows.extend(sample_rows)
         return batch
+
+    def _to_device(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        """A host list as a device tensor. On CUDA through pinned memory without blocking:
+        a copy from pageable memory waits for the stream's earlier work, which would end
+        the overlap of async scheduling (the previous step's forward)."""
+        if self.device.type != "cuda":
+            return torch.tensor(values, dtype=dtype, device=self.device)
+        return torch.tensor(values, dtype=dtype).pin_memory().to(self.device, non_blocking=True)
 
     # ---- forward + sampling --------------------------------------------------------
 
@@ -339,9 +347,8 @@ class ModelRunner:
         if batch.pending:
             if previous is None:
                 raise RuntimeError("a placeholder token without the step that samples it")
-            dev = batch.input_ids.device
-            rows = torch.tensor([row for row, _ in batch.pending], dtype=torch.int64, device=dev)
-            src = torch.tensor([previous.index[rid] for _, rid in batch.pending], dtype=torch.int64, device=dev)
+            rows = self._to_device([row for row, _ in batch.pending], torch.int64)
+            src = self._to_device([previous.index[rid] for _, rid in batch.pending], torch.int64)
             batch.input_ids[rows] = previous.tokens[src].to(batch.input_ids.dtype)
         requests = [sched.scheduled[i].request for i in batch.sample_idx]
         hidden = None
@@ -352,7 +359,7 @@ class ModelRunner:
         rows_l = batch.sample_rows
         if not rows_l:  # prefill chunks only: nothing sampled
             return InFlight([], torch.empty(0, dtype=torch.int64, device=hidden.device))
-        h = hidden if rows_l == list(range(hidden.shape[0])) else hidden[rows_l]
+        h = hidden if rows_l == list(range(hidden.shape[0])) else hidden[self._to_device(rows_l, torch.int64)]
         if all(argmax_suffices(r.sampling_params, len(r.output_token_ids), r.eos_token_id) for r in requests):
             tokens = self.model.greedy_tokens(h)
             if tokens is None:

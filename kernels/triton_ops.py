@@ -81,6 +81,47 @@ class KernelLaunch:
         return ASTSource(fn=self.kernel, signature=signature, constexprs=constexprs, attrs=attrs)
 
 
+class PlanCache:
+    """Checked launches by the layout of their tensors (shape, strides, dtype, device)
+    and their other arguments.
+
+    The layers of a step call each op on tensors of one layout (their own weights and
+    caches), so the checks and the plan of the first call hold for the rest: a hit only
+    launches with the new tensors (~40 us of checks per attention call saved, x layers x
+    steps). Entries keep no tensor; the cache is emptied at ``max_entries``."""
+
+    def __init__(self, max_entries: int = 4096) -> None:
+        self.max_entries = max_entries
+        # key -> (kernel, grid, the non-tensor arguments, constexprs, num_warps)
+        self._plans: dict[tuple[Any, ...], tuple[Any, tuple[int, ...], dict[str, Any], dict[str, Any], int]] = {}
+
+    def launch(self, key: tuple[Any, ...], tensors: dict[str, torch.Tensor], plan: Any) -> None:
+        """Run the cached plan of ``key`` on ``tensors`` (kernel argument name -> tensor),
+        or ``plan()`` (which checks and returns a KernelLaunch over these tensors) first."""
+        entry = self._plans.get(key)
+        if entry is None:
+            launch = plan()
+            if len(self._plans) >= self.max_entries:
+                self._plans.clear()
+            static = {k: v for k, v in launch.args.items() if not isinstance(v, torch.Tensor)}
+            entry = (launch.kernel, launch.grid, static, launch.constexprs, launch.num_warps)
+            self._plans[key] = entry
+        kernel, grid, static, constexprs, num_warps = entry
+        if any(n == 0 for n in grid):
+            return
+        kernel[grid](**static, **tensors, **constexprs, num_warps=num_warps)
+
+
+def layout(t: torch.Tensor | None) -> tuple[Any, ...] | None:
+    """What a plan depends on of a tensor: shape, strides, dtype, device."""
+    if t is None:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.device)
+
+
+_PLANS = PlanCache()
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -386,19 +427,21 @@ def paged_attention(
     """
     if out is None:
         out = torch.empty_like(query)
-    launch = plan_paged_attention(
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        query_start_loc,
-        seq_lens,
-        scale,
-        out,
-        interpret=interpreting(),
-    )
-    _require_launchable(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out)
-    launch.run()
+    tensors = {
+        "out_ptr": out, "query_ptr": query, "key_cache_ptr": key_cache, "value_cache_ptr": value_cache,
+        "block_tables_ptr": block_tables, "query_start_loc_ptr": query_start_loc, "seq_lens_ptr": seq_lens,
+    }
+
+    def plan() -> KernelLaunch:
+        launch = plan_paged_attention(
+            query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, out,
+            interpret=interpreting(),
+        )
+        _require_launchable(*tensors.values())
+        return launch
+
+    key = ("paged_attention", scale, *map(layout, tensors.values()))
+    _PLANS.launch(key, tensors, plan)
     return out
 
 
@@ -468,10 +511,19 @@ def rms_norm(
     """
     out = torch.empty_like(x)
     new_residual = torch.empty_like(x) if residual is not None else None
-    launch = plan_rms_norm(x, weight, eps, residual, out, new_residual)
-    tensors = [x, weight, out] + ([residual] if residual is not None else [])
-    _require_launchable(*tensors)
-    launch.run()
+
+    def plan() -> KernelLaunch:
+        launch = plan_rms_norm(x, weight, eps, residual, out, new_residual)
+        _require_launchable(*([x, weight, out] + ([residual] if residual is not None else [])))
+        return launch
+
+    # out and new_residual are x's layout; without a residual the kernel gets x and out
+    # in their places (never read or written)
+    tensors = {
+        "out_ptr": out, "new_residual_ptr": out if new_residual is None else new_residual, "x_ptr": x,
+        "residual_ptr": x if residual is None else residual, "weight_ptr": weight,
+    }
+    _PLANS.launch(("rms_norm", eps, layout(x), layout(weight), layout(residual)), tensors, plan)
     return out, new_residual
 
 
@@ -520,9 +572,13 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2I] -> 
     and returned in gate_up's dtype."""
     _require_dim(gate_up, 2, "gate_up")
     out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-    launch = plan_silu_and_mul(gate_up, out)
-    _require_launchable(gate_up, out)
-    launch.run()
+
+    def plan() -> KernelLaunch:
+        launch = plan_silu_and_mul(gate_up, out)
+        _require_launchable(gate_up, out)
+        return launch
+
+    _PLANS.launch(("silu_and_mul", layout(gate_up)), {"out_ptr": out, "gate_up_ptr": gate_up}, plan)
     return out
 
 
@@ -666,10 +722,17 @@ def rotary_and_cache(
     ``reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)``, in one launch:
     query and key are rotated in place and the rotated key and the value are written into
     their cache slots (slots < 0 are skipped)."""
-    launch = plan_rotary_and_cache(
-        positions, query, key, value, cos_sin_cache, key_cache, value_cache, slot_mapping
-    )
-    _require_launchable(
-        positions, query, key, value, cos_sin_cache, key_cache, value_cache, slot_mapping
-    )
-    launch.run()
+    tensors = {
+        "query_ptr": query, "key_ptr": key, "value_ptr": value, "cos_sin_ptr": cos_sin_cache,
+        "positions_ptr": positions, "key_cache_ptr": key_cache, "value_cache_ptr": value_cache,
+        "slot_mapping_ptr": slot_mapping,
+    }
+
+    def plan() -> KernelLaunch:
+        launch = plan_rotary_and_cache(
+            positions, query, key, value, cos_sin_cache, key_cache, value_cache, slot_mapping
+        )
+        _require_launchable(*tensors.values())
+        return launch
+
+    _PLANS.launch(("rotary_and_cache", *map(layout, tensors.values())), tensors, plan)

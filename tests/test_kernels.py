@@ -415,6 +415,37 @@ def _cos_sin_cache(max_position: int, head_dim: int, dtype: torch.dtype) -> torc
     return torch.cat([angles.cos(), angles.sin()], dim=-1).to(dtype)
 
 
+def case_plan_cache(seed: int) -> int:
+    """Public ops called twice on new tensors of one layout (as the layers of a step
+    call them) reuse the first call's checked plan but compute on the new tensors; the
+    cache keeps no tensor; another layout gets a plan of its own."""
+    import gc
+    import weakref
+
+    from kernels import reference, triton_ops
+
+    gen = torch.Generator().manual_seed(seed)
+    dev = _device()
+    before = len(triton_ops._PLANS._plans)
+    refs = []
+    for hidden in (48, 48, 80):
+        x = torch.randn(5, hidden, generator=gen)
+        w = torch.randn(hidden, generator=gen)
+        res = torch.randn(5, hidden, generator=gen)
+        want, want_res = reference.rms_norm(x, w, 1e-6, res)
+        got, got_res = triton_ops.rms_norm(x.to(dev), w.to(dev), 1e-6, res.to(dev))
+        _check_close(got, want, "float32", f"rms_norm through the plan cache, seed={seed}")
+        _check_close(got_res, want_res, "float32", f"residual through the plan cache, seed={seed}")
+        gate_up = torch.randn(3, 2 * hidden, generator=gen)
+        _check_close(triton_ops.silu_and_mul(gate_up.to(dev)), reference.silu_and_mul(gate_up), "float32",
+                     f"silu_and_mul through the plan cache, seed={seed}")
+        refs.append(weakref.ref(x))
+        del x, got, got_res
+    gc.collect()
+    assert all(r() is None for r in refs), "the plan cache holds a tensor"
+    return len(triton_ops._PLANS._plans) - before
+
+
 def case_rotary_embedding(
     seed: int,
     dtype: str,
@@ -874,6 +905,11 @@ def test_reshape_and_cache(
         num_tokens=45,
     )
     assert 0 < written < 45
+
+
+def test_plan_cache_reuses_checks_not_tensors(numerics: KernelWorker) -> None:
+    # two layouts x two ops (the second call of the first layout hits)
+    assert numerics.call("plan_cache", seed=_fresh_seed()) == 4
 
 
 @pytest.mark.parametrize(
