@@ -82,6 +82,20 @@ def digest(token_lists: list[list[int]]) -> str:
     return h.hexdigest()[:16]
 
 
+def divergence(want: list[list[int]], got: list[list[int]]) -> str:
+    """How two runs' token lists differ: how many requests, and where each first differs
+    (greedy runs in bfloat16 that batch requests differently drift apart late, if at all)."""
+    firsts = []
+    for a, b in zip(want, got, strict=True):
+        if a != b:
+            firsts.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
+    if not firsts:
+        return "none"
+    firsts.sort()
+    return (f"{len(firsts)} of {len(want)} requests, first differing token at position {firsts[0]} "
+            f"(median {firsts[len(firsts) // 2]})")
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of every thread of ``pid`` so far (from /proc)."""
     try:
@@ -220,7 +234,7 @@ def local_main(args: argparse.Namespace) -> int:
     outs = llm.generate(prompts, params)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu0
     lists = [list(o.outputs[0].token_ids) for o in outs]
-    print(json.dumps({"tokens": sum(map(len, lists)), "digest": digest(lists),
+    print(json.dumps({"tokens": sum(map(len, lists)), "digest": digest(lists), "lists": lists,
                       "seconds": seconds, "cpu": cpu}), flush=True)
     return 0
 
@@ -368,6 +382,7 @@ def run_clients(stack: Stack, mode: str, work_path: str, clients: int, concurren
         "cpu": cpu, "us_per_token": {role: c / tokens * 1e6 for role, c in cpu.items()},
         "digest": None if lists is None else digest(lists),
         "messages": None if lists is None else sum(d["messages"] for d in docs),
+        "lists": lists,
     }
 
 
@@ -502,13 +517,16 @@ def main() -> int:
                         print(f"    ! {run['tokens']} tokens, in-process {local['tokens']}", flush=True)
                     if local is not None and run["digest"] not in (None, local["digest"]):
                         mismatches += 1
-                        print("    ! token ids differ from the in-process run's", flush=True)
+                        print(f"    ! token ids differ from the in-process run's: "
+                              f"{divergence(local['lists'], run['lists'])}", flush=True)
+                    run.pop("lists", None)
         finally:
             if stack is not None:
                 stack.stop()
     finally:
         os.unlink(work_path)
     if args.json:
+        result.get("local", {}).pop("lists", None)
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
     return 1 if mismatches else 0

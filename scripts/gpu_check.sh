@@ -42,28 +42,28 @@ echo "set-up: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
 
 export PYTHONUNBUFFERED=1
 
-# GPU_CHECK_PARTS picks parts (default all: decode split tests); SPLIT_SYNC=0 skips the
-# in-process run without async scheduling; SPLIT_MODES narrows the stack's modes.
-PARTS=" ${GPU_CHECK_PARTS:-decode split tests} "
+# GPU_CHECK_PARTS picks parts (default all, in this order: decode split tests sync);
+# SPLIT_MODES narrows the stack's modes, SPLIT_FRONTENDS is tandem serve --frontends.
+PARTS=" ${GPU_CHECK_PARTS:-decode split tests sync} "
 
-# Batch-1 decode of a Llama-3.2-1B shape (2.15 GB in bf16) against its weight-read roofline.
+# Batch-1 decode of a Llama-3.2-1B shape (2.15 GB in bf16) against its weight-read roofline,
+# without and with async scheduling, and the GPU time of each kernel of a step.
 if [[ "$PARTS" == *" decode "* ]]; then
 python3 -m benchmarks.gpu_decode --json "$OUT/decode.json" 2>&1 | grep -v '^\[engine' | tee "$OUT/decode.txt" || true
 echo "after decode: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
 fi
 
 # The split at GPU speed: bench-135m's shape in bf16, 1,024 requests of 64-512 prompt ids and
-# 128-256 output tokens, 4 client processes with 1,024 streams; in-process vs the stack.
-# In-process without async scheduling first (its gain), then everything with it.
+# 128-256 output tokens, 4 client processes with 1,024 streams; in-process vs the stack, both
+# with async scheduling (py-spy profiles of the DELTA run's engine and first frontend).
 SPLIT=(--preset bench-135m --num-requests 1024 --concurrency 1024 --clients 4 --prompt-range 64,512
        --output-range 128,256)
 ENGINE_ARGS="--device cuda --dtype bfloat16 --max-model-len 1024"
 if [[ "$PARTS" == *" split "* ]]; then
-[[ "${SPLIT_SYNC:-1}" == 1 ]] && { python3 -m benchmarks.split_cost "${SPLIT[@]}" --no-stack \
-    --engine-args "$ENGINE_ARGS" 2>&1 | grep -v '^\[engine' | tee "$OUT/split.txt" || true; }
 python3 -m benchmarks.split_cost "${SPLIT[@]}" --modes "${SPLIT_MODES:-delta,final}" \
-    --engine-args "$ENGINE_ARGS --async-scheduling" --profile delta --profile-dir "$OUT" \
-    --json "$OUT/split.json" 2>&1 | grep -v '^\[engine' | tee -a "$OUT/split.txt" || true
+    --frontends "${SPLIT_FRONTENDS:-1}" --engine-args "$ENGINE_ARGS --async-scheduling" \
+    --profile delta --profile-dir "$OUT" --json "$OUT/split.json" 2>&1 | grep -v '^\[engine' \
+    | tee -a "$OUT/split.txt" || true
 echo "after split: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
 fi
 
@@ -73,5 +73,12 @@ if [[ "$PARTS" == *" tests "* ]]; then
 python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_graphs.py tests/test_engine_parity.py \
     tests/test_kernels.py -k "test_cuda_graphs or (cuda and (test_engine_parity or silu or rotary_and_cache))" \
     2>&1 | tail -5 | tee "$OUT/tests.txt"
+echo "after tests: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
+fi
+
+# The in-process run again without async scheduling: its gain on this workload.
+if [[ "$PARTS" == *" sync "* ]]; then
+python3 -m benchmarks.split_cost "${SPLIT[@]}" --no-stack --engine-args "$ENGINE_ARGS" 2>&1 \
+    | grep -v '^\[engine' | tee -a "$OUT/split.txt" || true
 fi
 echo "total: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
