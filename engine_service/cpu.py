@@ -134,6 +134,18 @@ def allowed_cpus() -> float:
     return float(cores) if quota is None else min(float(cores), quota)
 
 
+def threads_per_engine(num_engines: int) -> int:
+    """Intra-op threads for each of ``num_engines`` engines sharing this process's CPUs
+    (``tandem serve``): whole CPUs split evenly, at least one each; where a fractional
+    quota is the limit, each share rounded up, as ``default_num_threads`` does for one."""
+    if num_engines < 1:
+        raise ValueError(f"num_engines must be >= 1, got {num_engines}")
+    cpus = allowed_cpus()
+    share = cpus / num_engines
+    whole = cpus == math.floor(cpus)
+    return max(1, math.floor(share) if whole else math.ceil(share - 1e-9))
+
+
 def default_num_threads() -> int:
     """Intra-op threads an engine runs by default: the CPUs it may use, a fractional quota
     rounded up (1.5 -> 2). A quota throttles the whole team at once, not one straggler,

@@ -18,6 +18,7 @@ import signal
 import sys
 import tempfile
 
+from engine_service.cpu import threads_per_engine
 from frontend_service.engine_client import add_output_flow_cli, output_flow_from_args
 from frontend_service.migration import add_migration_cli, migration_config_from_args
 from frontend_service.openai import add_http_port_cli
@@ -219,7 +220,7 @@ def run_cli(args: argparse.Namespace) -> int:
 
         model = demo_model_dir()
     extra = [a for a in args.engine_args if a != "--"]
-    threads = max(1, (os.cpu_count() or 1) // args.engines)
+    threads = threads_per_engine(args.engines)  # affinity mask and CPU quota, not the host's cores
     env = engine_env(args)
     engines = []
     for i in range(args.engines):

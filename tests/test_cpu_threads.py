@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_service.cpu import cpu_quota, default_num_threads
+from engine_service.cpu import cpu_quota, default_num_threads, threads_per_engine
 from engine_service.thread_governor import ThreadGovernor, process_run_delay_s
 
 
@@ -47,6 +47,20 @@ def test_default_threads_are_the_cpus_allowed_a_quota_rounded_up(monkeypatch: py
     for quota, expected in ((None, 4), (1.5, 2), (0.5, 1), (2.0, 2), (2.2, 3), (16.0, 4)):
         monkeypatch.setattr(cpu, "cpu_quota", lambda q=quota: q)
         assert default_num_threads() == expected, quota
+
+
+def test_serve_splits_the_cpus_allowed_among_its_engines(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An affinity mask of 4 of the host's cores, with and without a CPU quota."""
+    import engine_service.cpu as cpu
+
+    monkeypatch.setattr(cpu.os, "sched_getaffinity", lambda pid: {2, 3, 5, 7})
+    cases = {(None, 1): 4, (None, 2): 2, (None, 3): 1, (None, 8): 1,
+             (1.5, 1): 2, (1.5, 2): 1, (3.0, 2): 1, (2.5, 2): 2, (6.0, 2): 2}
+    for (quota, engines), expected in cases.items():
+        monkeypatch.setattr(cpu, "cpu_quota", lambda q=quota: q)
+        assert threads_per_engine(engines) == expected, (quota, engines)
+    with pytest.raises(ValueError):
+        threads_per_engine(0)
 
 
 class FakeProcess:
