@@ -13,6 +13,7 @@ import torch
 from engine_service.attention import AttentionMetadata
 from engine_service.config import ConfigError, EngineConfig
 from engine_service.cuda_graphs import DecodeGraphs
+from engine_service.input_staging import InputStaging
 from engine_service.kv_cache.manager import KVCacheManager
 from engine_service.lora import LoRAManager
 from engine_service.request import PENDING_TOKEN, Request
@@ -146,6 +147,13 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if config.torch_device.type == "cuda" and not config.enforce_eager and lora is None and executor is None:
             self.graphs = DecodeGraphs(config.max_num_seqs, max_blocks_per_seq, config.torch_device)
+        # Eager steps' inputs through persistent pinned buffers (input_staging.py); None:
+        # a tensor per list (CPU, where the "copy" is the tensor's construction).
+        self.staging: InputStaging | None = None
+        if config.torch_device.type == "cuda":
+            self.staging = InputStaging(
+                config.torch_device, config.max_num_batched_tokens, config.max_num_seqs, max_blocks_per_seq
+            )
 
     def capture_cuda_graphs(self) -> None:
         """(Re)capture the decode graphs over the current model and KV cache."""
@@ -210,17 +218,25 @@ class ModelRunner:
         if graph_size is not None:
             input_ids, positions, attn = self.graphs.batch_views(num_seqs, max(seq_lens))
         else:
-            put = self._to_device
-            input_ids = put(tokens, torch.int64)
+            staged = None
+            if self.staging is not None:
+                staged = self.staging.put(tokens, positions_l, slots, block_table, max_blocks, query_start, seq_lens)
+            if staged is None:
+                put = self._to_device
+                staged = (
+                    put(tokens, torch.int64), put(positions_l, torch.int64), put(slots, torch.int64),
+                    put(block_table, torch.int32).view(num_seqs, max_blocks), put(query_start, torch.int32),
+                    put(seq_lens, torch.int32),
+                )
+            input_ids, positions, slot_t, tables_t, query_start_t, seq_lens_t = staged
             attn = AttentionMetadata(
-                slot_mapping=put(slots, torch.int64),
-                block_tables=put(block_table, torch.int32).view(num_seqs, max_blocks),
-                query_start_loc=put(query_start, torch.int32),
-                seq_lens=put(seq_lens, torch.int32),
+                slot_mapping=slot_t,
+                block_tables=tables_t,
+                query_start_loc=query_start_t,
+                seq_lens=seq_lens_t,
                 max_query_len=max_query_len,
                 max_seq_len=max(seq_lens),
             )
-            positions = put(positions_l, torch.int64)
         batch = BatchInputs(
             input_ids, positions, attn, sample_rows, sample_idx, pool_idx, graph_size=graph_size, pending=pending
         )
