@@ -2,11 +2,16 @@
 (--kv-role producer), a consumer engine (--kv-role consumer), a frontend with
 --disaggregated and, on the same engines, an aggregated frontend as the reference.
 The tokens agree, the consumer pulled the KV (its kv_transfer metrics), every block is
-free afterwards on both engines; a consumer killed mid-decode migrates its requests."""
+free afterwards on both engines; a consumer killed mid-decode migrates its requests; a
+producer killed between its prefill and the consumer's pull costs the consumer a
+recomputed prompt, not the request."""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import random
+import signal
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -245,3 +250,96 @@ def test_consumer_killed_mid_decode_migrates(stack: DisaggregatedStack) -> None:
             break
         time.sleep(0.2)
     assert info.num_free_blocks == info.num_kv_blocks
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is in the stopped state (SIGSTOP took effect)."""
+    task_dir = Path(f"/proc/{pid}/task")
+    states = []
+    for task in task_dir.iterdir():
+        with contextlib.suppress(OSError):  # a thread that just exited
+            states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+    return bool(states) and all(state in ("T", "t") for state in states)
+
+
+def test_producer_killed_before_the_pull_recomputes_on_the_consumer(
+    tiny_llama_dir: str, tmp_path: Path
+) -> None:
+    """The producer dies (SIGKILL) after its prefill's first token reached the frontend
+    and before the consumer pulls: the consumer cannot pull, so it computes the prompt
+    itself; the request is not migrated, its tokens are the aggregated run's, the
+    consumer's blocks all go free and the client sees no error.
+
+    The order is forced, not raced: the consumer is stopped (SIGSTOP, every thread
+    checked stopped) before the request is sent, so it cannot even receive the
+    hand-off; the producer's first token streams to the client (the frontend handed
+    the request to the consumer in the same callback), then the producer is killed
+    and reaped, and only then does the consumer go on (SIGCONT) and try its pull."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = random.Random(seed)
+    s = DisaggregatedStack(tiny_llama_dir, tmp_path / "logs")
+    consumer_pid = s.consumer.proc.pid
+    stopped = False
+    try:
+        with grpc.insecure_channel(s.disaggregated.address) as channel:
+            vocab = (
+                frontend_pb2_grpc.GenerationStub(channel)
+                .GetModelInfo(frontend_pb2.GetModelInfoRequest(), timeout=10)
+                .vocab_size
+            )
+        # Several full KV blocks and a partial one (block size 16).
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randrange(40, 200))]
+        request = frontend_pb2.GenerateRequest(
+            prompt_token_ids=frontend_pb2.TokenIds(token_ids=prompt), sampling_params=_params(16)
+        )
+        with grpc.insecure_channel(s.aggregated.address) as channel:
+            reference = list(
+                frontend_pb2_grpc.GenerationStub(channel).Generate(request, timeout=CALL_TIMEOUT)
+            )
+        want = [t for r in reference for o in r.outputs for t in o.token_ids]
+        assert len(want) == 16, f"seed {seed}: aggregated run gave {want}"
+        # The reference may have run on the consumer: without its cached prefix the
+        # consumer must pull the whole prompt.
+        s.stack.wait_engines_idle()
+        s.stack.reset_prefix_caches()
+        failures_before = s.metric(1, "tandem:kv_transfer_failures_total")
+        received_before = s.metric(1, 'tandem:kv_transfer_bytes_total{direction="received"')
+
+        os.kill(consumer_pid, signal.SIGSTOP)
+        stopped = True
+        deadline = time.monotonic() + 30  # a safety bound, not a timing assert
+        while not _all_threads_stopped(consumer_pid):
+            assert time.monotonic() < deadline, "SIGSTOP did not stop the consumer"
+            time.sleep(0.01)
+        with grpc.insecure_channel(s.disaggregated.address) as channel:
+            responses = []
+            call = frontend_pb2_grpc.GenerationStub(channel).Generate(request, timeout=CALL_TIMEOUT)
+            for response in call:  # the producer's first token, then the consumer's rest
+                responses.append(response)
+                if stopped and any(o.token_ids for o in response.outputs):
+                    s.producer.kill()  # SIGKILL and reap: its held KV is gone
+                    os.kill(consumer_pid, signal.SIGCONT)
+                    stopped = False
+        got = [t for r in responses for o in r.outputs for t in o.token_ids]
+        assert not stopped, f"seed {seed}: no token came from the producer"
+        assert s.producer.proc.returncode == -signal.SIGKILL, f"seed {seed}"
+        assert responses[-1].finished, f"seed {seed}: the stream ended unfinished"
+        assert responses[-1].outputs[0].finish_reason == "length", f"seed {seed}"
+        assert got == want, f"seed {seed}: prompt {prompt}: {got} != aggregated {want}"
+        # The consumer tried its pull, failed it and computed the prompt itself: the
+        # request stayed on the consumer (nothing migrated) and nothing was received.
+        assert s.metric(1, "tandem:kv_transfer_failures_total") == failures_before + 1, (
+            f"seed {seed}"
+        )
+        assert (
+            s.metric(1, 'tandem:kv_transfer_bytes_total{direction="received"') == received_before
+        ), f"seed {seed}"
+        pull_failed = f"pulling its KV from {s.producer.address} failed"
+        assert pull_failed in s.consumer.log(), f"seed {seed}"
+        assert "migrated from engine" not in s.disaggregated.log(), f"seed {seed}"
+        (info,) = s.stack.wait_engines_idle()  # the consumer alone is left: every block free
+        assert info.num_free_blocks == info.num_kv_blocks, f"seed {seed}"
+    finally:
+        if stopped:
+            os.kill(consumer_pid, signal.SIGCONT)
+        s.stop()
