@@ -168,6 +168,12 @@ def parse_command(command: Sequence[str], env: Mapping[str, Any]) -> argparse.Na
     """Parse a container command with the real CLI, defaults read from ``env``."""
     assert command[0] == "tandem", f"command must run the tandem CLI: {command}"
     assert command[1] in subparsers(), f"unknown subcommand {command[1]!r}"
+    # Whole flag names only: argparse would also take a unique prefix (`--kv-rol`), which a
+    # later flag sharing that prefix would silently turn into an error.
+    options = subparsers()[command[1]]._option_string_actions
+    for word in command[2:]:
+        flag = word.partition("=")[0]
+        assert not flag.startswith("--") or flag in options, f"`tandem {command[1]}` has no {flag}"
     with service_env(env):
         try:
             return build_parser().parse_args(list(command[1:]))

@@ -50,9 +50,16 @@ FRONTEND, ENGINES = "frontend", ("engine-0", "engine-1")
 COLLECTOR, JAEGER, PROMETHEUS = "otel-collector", "jaeger", "prometheus"
 SMG = "smg"  # the optional SMG front door (compose profile "smg")
 OBSERVABILITY = (COLLECTOR, JAEGER, PROMETHEUS)  # compose profile "observability"
-TANDEM_SERVICES = (FRONTEND, *ENGINES)
+TANDEM_SERVICES = (FRONTEND, *ENGINES)  # the default stack: `docker compose up`
+# The optional disaggregated layout (compose profile "disaggregated"): a producer engine, a
+# consumer engine and a frontend that splits each request between them.
+DISAGG_PROFILE = "disaggregated"
+PREFILL, DECODE, DISAGG_FRONTEND = "engine-prefill", "engine-decode", "frontend-disaggregated"
+DISAGGREGATED = (DISAGG_FRONTEND, PREFILL, DECODE)
+ALL_TANDEM = (*TANDEM_SERVICES, *DISAGGREGATED)
+FRONTENDS = (FRONTEND, DISAGG_FRONTEND)
 # The Dockerfile target each tandem service runs, and the subcommand that target's CMD runs.
-TARGETS = {FRONTEND: "frontend", **dict.fromkeys(ENGINES, "engine")}
+TARGETS = {**dict.fromkeys(FRONTENDS, "frontend"), **dict.fromkeys((*ENGINES, PREFILL, DECODE), "engine")}
 # --metrics-port defaults (TANDEM_METRICS_PORT overrides) per subcommand.
 DEFAULT_METRICS_PORT = {"frontend": 8000, "engine": 8001}
 DEFAULT_DRAIN_TIMEOUT = 30.0  # --drain-timeout's default (common.md)
@@ -147,7 +154,7 @@ def _published(service: dict[str, Any]) -> dict[int, int]:
 
 
 def test_services_are_the_stack(services: dict[str, dict[str, Any]], stages: dict[str, Stage]) -> None:
-    assert set(services) == {*TANDEM_SERVICES, COLLECTOR, JAEGER, PROMETHEUS, SMG}
+    assert set(services) == {*ALL_TANDEM, COLLECTOR, JAEGER, PROMETHEUS, SMG}
     images: dict[str, set[str]] = {}
     for name, target in TARGETS.items():
         build = services[name]["build"]
@@ -174,7 +181,7 @@ def test_each_service_runs_its_targets_subcommand(
 
 def test_stop_grace_period_outlasts_the_drain(services: dict[str, dict[str, Any]]) -> None:
     """docker stop sends SIGTERM (the drain starts), then SIGKILL after stop_grace_period."""
-    for name in TANDEM_SERVICES:
+    for name in ALL_TANDEM:
         grace = str(services[name]["stop_grace_period"])
         assert grace.endswith("s") and grace[:-1].isdigit(), f"{name}: give seconds, got {grace!r}"
         drain = float(_env(services[name]).get("TANDEM_DRAIN_TIMEOUT", DEFAULT_DRAIN_TIMEOUT))
@@ -184,7 +191,7 @@ def test_stop_grace_period_outlasts_the_drain(services: dict[str, dict[str, Any]
 def test_tandem_environment_feeds_real_flags(services: dict[str, dict[str, Any]]) -> None:
     problems = [
         f"{name}: {problem}"
-        for name in TANDEM_SERVICES
+        for name in ALL_TANDEM
         for problem in env_flag_problems(services[name]["command"], _env(services[name]))
     ]
     assert not problems, "\n".join(problems)
@@ -203,15 +210,17 @@ def test_every_service_restarts(services: dict[str, dict[str, Any]]) -> None:
 
 
 def test_tandem_commands_parse(services: dict[str, dict[str, Any]]) -> None:
-    assert _args(services[FRONTEND]).command == "frontend"
-    indices = []
-    for name in ENGINES:
-        args = _args(services[name])
-        assert args.command == "engine", name
-        assert args.host == "0.0.0.0", f"{name} must listen on all interfaces"
-        indices.append(args.engine_index)
-    assert sorted(indices) == list(range(len(ENGINES))), f"engine indices {indices}"
-    assert _args(services[FRONTEND]).host == "0.0.0.0"
+    """Each frontend's engines listen on all interfaces and are indexed 0..n-1 among it."""
+    for frontend in FRONTENDS:
+        assert _args(services[frontend]).command == "frontend"
+        assert _args(services[frontend]).host == "0.0.0.0"
+        indices = []
+        for name in (split_addr(addr)[0] for addr in _frontend_engines(services[frontend])):
+            args = _args(services[name])
+            assert args.command == "engine", name
+            assert args.host == "0.0.0.0", f"{name} must listen on all interfaces"
+            indices.append(args.engine_index)
+        assert sorted(indices) == list(range(len(indices))), f"{frontend}: engine indices {indices}"
 
 
 def test_frontend_engine_addresses_name_engines(services: dict[str, dict[str, Any]]) -> None:
@@ -230,7 +239,7 @@ def test_frontend_engine_addresses_name_engines(services: dict[str, dict[str, An
 
 def test_one_model_for_all(services: dict[str, dict[str, Any]], stages: dict[str, Stage]) -> None:
     """Engines and frontend load the same checkpoint (same tokenizer fingerprint)."""
-    models = {_args(services[name]).model for name in TANDEM_SERVICES}
+    models = {_args(services[name]).model for name in ALL_TANDEM}
     assert len(models) == 1 and "" not in models, f"one explicit model for all: {models}"
     (model,) = models
     for target in set(TARGETS.values()):
@@ -278,14 +287,17 @@ def test_observability_is_a_profile_the_tandem_services_do_not_need(
     images may not be pullable); the tandem services neither depend on them nor need them."""
     for name in OBSERVABILITY:
         assert services[name]["profiles"] == ["observability"], name
-    for name in TANDEM_SERVICES:
+    for name in ALL_TANDEM:
         assert not set(services[name].get("depends_on", {})) & set(OBSERVABILITY), name
 
 
 def test_frontend_waits_for_healthy_engines(services: dict[str, dict[str, Any]]) -> None:
-    depends = services[FRONTEND]["depends_on"]
-    for name in ENGINES:
-        assert depends[name]["condition"] == "service_healthy", name
+    for frontend in FRONTENDS:
+        depends = services[frontend]["depends_on"]
+        engines = {split_addr(addr)[0] for addr in _frontend_engines(services[frontend])}
+        assert set(depends) == engines, f"{frontend} waits on {set(depends)}, uses {engines}"
+        for name in engines:
+            assert depends[name]["condition"] == "service_healthy", f"{frontend}: {name}"
     for name, service in services.items():
         deps = service.get("depends_on", {})
         deps = {d: {"condition": "service_started"} for d in deps} if isinstance(deps, list) else deps
@@ -304,7 +316,7 @@ def test_healthchecks_probe_each_service_port(
         assert target_probe == probe, f"compose and the {target} image's probes differ"
         (cmd,) = stages[target].args("CMD")
         assert split_addr(addr)[1] == int(parse_command(exec_form(cmd), {}).port), target
-    for name in TANDEM_SERVICES:
+    for name in ALL_TANDEM:
         test = services[name]["healthcheck"]["test"]
         assert test[:4] == ["CMD", "python", "-c", probe], name
         host, port = split_addr(test[4])
@@ -337,9 +349,15 @@ def test_health_probe_reports_serving_only(stages: dict[str, Stage]) -> None:
 
 def test_only_public_ports_are_published(services: dict[str, dict[str, Any]]) -> None:
     published = {name: _published(s) for name, s in services.items() if s.get("ports")}
-    assert set(published) == {FRONTEND, JAEGER, PROMETHEUS, SMG}, published
+    assert set(published) == {*FRONTENDS, JAEGER, PROMETHEUS, SMG}, published
     assert published[SMG] == {30000: 30000}
     assert published[FRONTEND] == {50051: _grpc_port(services[FRONTEND]), 8080: _args(services[FRONTEND]).http_port}
+    # The disaggregated frontend: other host ports, so both stacks can run at once.
+    assert published[DISAGG_FRONTEND] == {
+        50052: _grpc_port(services[DISAGG_FRONTEND]), 8081: _args(services[DISAGG_FRONTEND]).http_port
+    }
+    host_ports = [port for ports in published.values() for port in ports]
+    assert len(host_ports) == len(set(host_ports)), f"a host port published twice: {published}"
     assert published[JAEGER] == {16686: 16686}
     assert published[PROMETHEUS] == {9090: 9090}
 
@@ -377,6 +395,69 @@ def test_smg_is_an_optional_front_door_over_every_engine(
     assert users and users[-1] not in {"root", "0"}
 
 
+# ---- compose: the optional disaggregated layout (profile "disaggregated") -------------------
+
+
+def test_disaggregated_layout_is_a_profile_the_default_stack_does_not_see(
+    services: dict[str, dict[str, Any]]
+) -> None:
+    """`docker compose up` starts what it started before: the services without a profile are
+    the default stack, aggregated (no --kv-role, no --disaggregated, only its own engines);
+    the disaggregated services come up only with `--profile disaggregated`."""
+    for name in DISAGGREGATED:
+        assert services[name]["profiles"] == [DISAGG_PROFILE], name
+    default = {name for name, service in services.items() if not service.get("profiles")}
+    assert default == set(TANDEM_SERVICES), default
+    assert not _args(services[FRONTEND]).disaggregated
+    assert "TANDEM_DISAGGREGATED" not in _env(services[FRONTEND])
+    assert {split_addr(a)[0] for a in _frontend_engines(services[FRONTEND])} == set(ENGINES)
+    for name in ENGINES:
+        assert _args(services[name]).kv_role is None, name
+        assert not [k for k in _env(services[name]) if k.startswith("TANDEM_KV_")], name
+    for name in default:
+        deps = set(services[name].get("depends_on", {}))
+        assert not deps & set(DISAGGREGATED), f"{name} depends on the optional layout: {deps}"
+
+
+def test_disaggregated_engines_have_their_roles_and_a_reachable_kv_address(
+    services: dict[str, dict[str, Any]]
+) -> None:
+    """The producer advertises its service name and gRPC port (what the consumer dials for
+    tandem.v1.KvTransfer, over the compose network both are on); the two run the same image,
+    checkpoint and KV-cache geometry, or a pull is refused and the prompt computed again."""
+    producer, consumer = _args(services[PREFILL]), _args(services[DECODE])
+    assert producer.kv_role == "producer" and consumer.kv_role == "consumer"
+    host, port = split_addr(producer.kv_address)
+    assert host == PREFILL, f"the producer must advertise its own service name, not {host!r}"
+    assert port == _grpc_port(services[PREFILL]), f"KvTransfer is served on the gRPC port, not {port}"
+    assert port in _exposed_ports(services[PREFILL])
+    assert consumer.kv_address is None, "a consumer serves no KvTransfer: nothing to advertise"
+    # One network: neither names any, so both are on the project's default one.
+    assert "networks" not in services[PREFILL] and "networks" not in services[DECODE]
+    assert producer.kv_engine_id != consumer.kv_engine_id
+    for field in ("model", "block_size", "dtype", "max_model_len"):
+        assert getattr(producer, field) == getattr(consumer, field), field
+    assert services[PREFILL]["image"] == services[DECODE]["image"] == services[ENGINES[0]]["image"]
+
+
+def test_disaggregated_frontend_splits_requests_over_both_roles(
+    services: dict[str, dict[str, Any]]
+) -> None:
+    frontend = services[DISAGG_FRONTEND]
+    assert _args(frontend).disaggregated
+    assert frontend["image"] == services[FRONTEND]["image"]
+    assert frontend["build"] == services[FRONTEND]["build"]
+    addresses = _frontend_engines(frontend)
+    assert len(addresses) == len(set(addresses)) == 2, addresses
+    roles = set()
+    for addr in addresses:
+        host, port = split_addr(addr)
+        assert host in DISAGGREGATED and port == _grpc_port(services[host]), addr
+        assert port in _exposed_ports(services[host]), addr
+        roles.add(_args(services[host]).kv_role)
+    assert roles == {"producer", "consumer"}
+
+
 # ---- tracing --------------------------------------------------------------------------------
 
 
@@ -388,7 +469,7 @@ def _collector_grpc_port(collector: dict[str, Any]) -> int:
 def test_services_export_traces_to_the_collector(
     services: dict[str, dict[str, Any]], collector: dict[str, Any]
 ) -> None:
-    names = {FRONTEND: "tandem-frontend", **dict.fromkeys(ENGINES, "tandem-engine")}
+    names = {name: f"tandem-{target}" for name, target in TARGETS.items()}
     for name, service_name in names.items():
         env = _env(services[name])
         endpoint = urlsplit(env["OTEL_EXPORTER_OTLP_ENDPOINT"])

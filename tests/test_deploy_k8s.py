@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -30,9 +31,13 @@ from tests.deploy_helpers import (
     env_flag_problems,
     load_yaml,
     parse_command,
+    split_addr,
 )
 
 K8S = ROOT / "deploy" / "k8s"
+# The optional disaggregated prefill/decode overlay (kustomize: `resources: [../k8s]`, beside
+# the base because kustomize refuses an overlay inside its base's directory).
+K8S_DISAGG = ROOT / "deploy" / "k8s-disaggregated"
 README = ROOT / "deploy" / "README.md"
 # Oldest release the manifests target (preStop `sleep`, the pod-index label), and the newest.
 K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
@@ -62,21 +67,48 @@ def namespace(kustomization: Manifest) -> str:
     return kustomization["namespace"]
 
 
-@pytest.fixture(scope="module")
-def manifests(kustomization: Manifest, namespace: str) -> list[Manifest]:
-    """What `kubectl kustomize deploy/k8s` renders: the resources, namespaced, labelled."""
-    allowed = {"apiVersion", "kind", "namespace", "labels", "resources"}
+def _render(root: Path) -> list[Manifest]:
+    """What `kubectl kustomize ROOT` renders, for the kustomize features used here (others
+    fail the assertion): resources (files, or directories with their own kustomization),
+    namespace, metadata labels, and JSON 6902 patches that add."""
+    kustomization = load_yaml(root / "kustomization.yaml")
+    allowed = {"apiVersion", "kind", "namespace", "labels", "resources", "patches"}
     assert set(kustomization) <= allowed, f"unchecked kustomize features: {set(kustomization) - allowed}"
     out = []
     for resource in kustomization["resources"]:
-        for doc in _docs(K8S / resource):
+        path = root / resource
+        for doc in _render(path) if path.is_dir() else _docs(path):
             doc = copy.deepcopy(doc)
-            if doc["kind"] in NAMESPACED:
-                doc["metadata"]["namespace"] = namespace
+            if doc["kind"] in NAMESPACED and "namespace" in kustomization:
+                doc["metadata"]["namespace"] = kustomization["namespace"]
             for entry in kustomization.get("labels", []):
+                assert entry.get("includeSelectors") is False and set(entry) == {"pairs", "includeSelectors"}
                 doc["metadata"].setdefault("labels", {}).update(entry["pairs"])
             out.append(doc)
+    for patch in kustomization.get("patches", []):
+        assert set(patch) == {"target", "patch"} and set(patch["target"]) == {"kind", "name"}, patch
+        target = _one(out, patch["target"]["kind"], patch["target"]["name"])
+        for op in yaml.safe_load(patch["patch"]):
+            _json_patch_add(target, op)
     return out
+
+
+def _json_patch_add(doc: Any, op: dict[str, Any]) -> None:
+    """RFC 6902 `add` (the only operation used): ``/a/b~1c/-`` appends to a list."""
+    assert op["op"] == "add" and set(op) == {"op", "path", "value"}, op
+    *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
+    for part in parents:
+        doc = doc[int(part)] if isinstance(doc, list) else doc[part]
+    if isinstance(doc, list):
+        doc.insert(len(doc) if last == "-" else int(last), copy.deepcopy(op["value"]))
+    else:
+        doc[last] = copy.deepcopy(op["value"])
+
+
+@pytest.fixture(scope="module")
+def manifests() -> list[Manifest]:
+    """What `kubectl kustomize deploy/k8s` renders: the resources, namespaced, labelled."""
+    return _render(K8S)
 
 
 def _one(manifests: list[Manifest], kind: str, name: str | None = None) -> Manifest:
@@ -481,3 +513,248 @@ def test_optional_smg_reaches_every_engine_replica(manifests: list[Manifest], na
     frontend_secrets = set(_secret_files(_workload(manifests, "frontend")).values())
     smg_secrets = set(_secret_files(deployment).values())
     assert smg_secrets and smg_secrets <= frontend_secrets
+
+
+# ---- optional: disaggregated prefill and decode (deploy/k8s-disaggregated) -------------------
+
+KV_ROLE_LABEL = "tandem/kv-role"  # pod label: which engines the producers' policy admits
+PRODUCERS = "tandem-engine-prefill"  # the overlay's producer StatefulSet
+CONSUMERS = "tandem-engine"  # the base engines, turned consumers
+# The objects the overlay adds to the base.
+DISAGG_NEW = {("StatefulSet", PRODUCERS), ("Service", f"{PRODUCERS}-headless"),
+              ("PodDisruptionBudget", PRODUCERS), ("NetworkPolicy", PRODUCERS)}
+KV_ENV = ("TANDEM_KV_ROLE", "TANDEM_KV_ENGINE_ID", "TANDEM_KV_ADDRESS")
+
+
+@pytest.fixture(scope="module")
+def disagg() -> list[Manifest]:
+    """What `kubectl kustomize deploy/k8s-disaggregated` renders."""
+    return _render(K8S_DISAGG)
+
+
+@pytest.fixture(scope="module")
+def disagg_namespace() -> str:
+    return load_yaml(K8S_DISAGG / "kustomization.yaml")["namespace"]
+
+
+def _without_kv(workload: Manifest) -> Manifest:
+    """The workload without its KV role: the kv-role pod label and TANDEM_KV_* variables."""
+    out = copy.deepcopy(workload)
+    out["spec"]["template"]["metadata"]["labels"].pop(KV_ROLE_LABEL, None)
+    container = _container(out)
+    container["env"] = [e for e in container["env"] if e["name"] not in KV_ENV]
+    return out
+
+
+def _pod_env(workload: Manifest, manifests: list[Manifest], ordinal: int) -> dict[str, str]:
+    """The environment of the StatefulSet's pod ``ordinal``: its name and index filled in,
+    and `$(VAR)` references expanded as the kubelet does (variables defined earlier only)."""
+    env = _container_env(workload, manifests)
+    defined = set(env) - {e["name"] for e in _container(workload)["env"]}  # from envFrom
+    for item in _container(workload)["env"]:
+        name = item["name"]
+        field = item.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+        if field == "metadata.name":
+            env[name] = f"{workload['metadata']['name']}-{ordinal}"
+        elif field == "metadata.labels['apps.kubernetes.io/pod-index']":
+            env[name] = str(ordinal)
+        elif "value" in item:
+            env[name] = re.sub(r"\$\((\w+)\)", lambda m: env[m[1]] if m[1] in defined else m[0], item["value"])
+        defined.add(name)
+    return env
+
+
+def _headless_for(manifests: list[Manifest], workload: Manifest) -> Manifest:
+    """The headless Service that is the StatefulSet's serviceName and selects its pods."""
+    service = _one(manifests, "Service", workload["spec"]["serviceName"])
+    assert service["spec"]["clusterIP"] == "None", service["metadata"]["name"]
+    assert _selects(service["spec"]["selector"], _pod_labels(workload))
+    assert not service["spec"].get("publishNotReadyAddresses", False), "draining engines must leave DNS"
+    return service
+
+
+def _admits(manifests: list[Manifest], target: Manifest, source: Manifest, port: str) -> bool:
+    """Whether some NetworkPolicy lets ``source``'s pods (same namespace) into ``target``'s
+    pods on the named container port (network policies add up: one rule is enough)."""
+    for policy in manifests:
+        if policy["kind"] != "NetworkPolicy" or "Ingress" not in policy["spec"]["policyTypes"]:
+            continue
+        if not _selects(policy["spec"]["podSelector"]["matchLabels"], _pod_labels(target)):
+            continue
+        for rule in policy["spec"].get("ingress", []):
+            ports_ok = not rule.get("ports") or any(p["port"] == port for p in rule["ports"])
+            peers_ok = "from" not in rule or any(
+                "podSelector" in peer and "namespaceSelector" not in peer
+                and _selects(peer["podSelector"]["matchLabels"], _pod_labels(source))
+                for peer in rule["from"]
+            )
+            if ports_ok and peers_ok:
+                return True
+    return False
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_disaggregated_overlay_validates_against_the_schemas(version: str, disagg: list[Manifest]) -> None:
+    listed = {(K8S_DISAGG / r).resolve() for r in load_yaml(K8S_DISAGG / "kustomization.yaml")["resources"]}
+    files = {p.resolve() for p in K8S_DISAGG.glob("*.yaml") if p.name != "kustomization.yaml"}
+    assert files and files <= listed, f"not in the overlay's kustomization: {files - listed}"
+    for doc in disagg:  # rendered: the patched base objects are checked too
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            raise AssertionError(f"{doc['kind']} {doc['metadata']['name']}: {exc.message}") from exc
+
+
+def test_disaggregated_overlay_renders_as_kustomize_does(disagg: list[Manifest]) -> None:
+    keys = [(m["kind"], m["metadata"]["name"]) for m in disagg]
+    assert len(keys) == len(set(keys)), f"duplicate objects: {keys}"
+    kubectl = shutil.which("kubectl")
+    if kubectl is not None:  # the real kustomize, where installed: renders the same objects
+        built = subprocess.run([kubectl, "kustomize", str(K8S_DISAGG)], capture_output=True, text=True, timeout=120)
+        assert built.returncode == 0, built.stderr
+        rendered = [d for d in yaml.safe_load_all(built.stdout) if d]
+        assert sorted(rendered, key=str) == sorted(disagg, key=str)
+
+
+def test_disaggregated_overlay_is_the_base_plus_the_layout(
+    manifests: list[Manifest], disagg: list[Manifest]
+) -> None:
+    """Every base object is there, unchanged but for the engines' KV role and the frontends'
+    extra flags; what is new is the producers' StatefulSet, headless Service, PDB and policy,
+    each selecting the producers only."""
+    base = {(m["kind"], m["metadata"]["name"]): m for m in manifests}
+    overlay = {(m["kind"], m["metadata"]["name"]): m for m in disagg}
+    assert set(overlay) - set(base) == DISAGG_NEW and set(base) <= set(overlay)
+    changed = {key for key in base if overlay[key] != base[key]}
+    assert changed == {("StatefulSet", CONSUMERS), ("Deployment", "tandem-frontend")}, changed
+    assert _without_kv(overlay["StatefulSet", CONSUMERS]) == base["StatefulSet", CONSUMERS]
+    frontend = copy.deepcopy(overlay["Deployment", "tandem-frontend"])
+    base_command = _container(base["Deployment", "tandem-frontend"])["command"]
+    extra = _container(frontend)["command"][len(base_command):]
+    _container(frontend)["command"] = _container(frontend)["command"][: len(base_command)]
+    assert frontend == base["Deployment", "tandem-frontend"]
+    assert extra[0] == "--engine" and extra[2:] == ["--disaggregated"], extra
+    producers = overlay["StatefulSet", PRODUCERS]
+    consumers = overlay["StatefulSet", CONSUMERS]
+    for kind, name in DISAGG_NEW - {("StatefulSet", PRODUCERS)}:
+        spec = overlay[kind, name]["spec"]
+        selector = spec.get("selector") or spec["podSelector"]
+        selector = selector.get("matchLabels", selector)
+        assert _selects(selector, _pod_labels(producers)), f"{kind} {name}"
+        assert not _selects(selector, _pod_labels(consumers)), f"{kind} {name} also selects consumers"
+    assert not _selects(producers["spec"]["selector"]["matchLabels"], _pod_labels(consumers))
+    assert not _selects(consumers["spec"]["selector"]["matchLabels"], _pod_labels(producers))
+    assert overlay["PodDisruptionBudget", PRODUCERS]["spec"]["maxUnavailable"] == 1
+
+
+def test_disaggregated_producers_are_the_base_engine_pod(
+    manifests: list[Manifest], disagg: list[Manifest]
+) -> None:
+    """Same image, command, ports, probes, TLS, tokens, resources and security as the base
+    engines: only names, labels and the TANDEM_KV_* variables differ. So everything checked
+    above for the engine holds for the producers, and their KV caches have the same layout
+    as the consumers' (a pull between different layouts is refused)."""
+    producers = _without_kv(_one(disagg, "StatefulSet", PRODUCERS))
+    engine = _one(manifests, "StatefulSet", CONSUMERS)
+    specs = []
+    for workload in (producers, engine):
+        spec = copy.deepcopy(workload["spec"]["template"]["spec"])
+        for constraint in spec.get("topologySpreadConstraints", []):
+            assert constraint["labelSelector"]["matchLabels"] == _pod_labels(workload)
+            del constraint["labelSelector"]
+        specs.append(spec)
+    assert specs[0] == specs[1]
+    assert producers["spec"]["template"]["metadata"]["annotations"] == engine["spec"]["template"]["metadata"]["annotations"]
+    assert producers["spec"]["podManagementPolicy"] == engine["spec"]["podManagementPolicy"]
+
+
+def test_disaggregated_engines_have_their_roles(disagg: list[Manifest]) -> None:
+    for name, role in ((PRODUCERS, "producer"), (CONSUMERS, "consumer")):
+        workload = _one(disagg, "StatefulSet", name)
+        assert _pod_labels(workload)[KV_ROLE_LABEL] == role, name
+        args = _args(workload, disagg)
+        assert args.kv_role == role, name
+        # The id plus the index (the ordinal): the pod's name, in logs and spans.
+        assert args.kv_engine_id == name, name
+        problems = env_flag_problems(_container(workload)["command"], _container_env(workload, disagg))
+        assert not problems, "\n".join(problems)
+    assert _args(_one(disagg, "StatefulSet", CONSUMERS), disagg).kv_address is None
+
+
+def test_disaggregated_producers_advertise_their_pod_dns_name(
+    disagg: list[Manifest], disagg_namespace: str
+) -> None:
+    """TANDEM_KV_ADDRESS, which consumers dial for tandem.v1.KvTransfer, is each producer
+    pod's stable name under its headless Service (the serviceName), on the gRPC port."""
+    producers = _one(disagg, "StatefulSet", PRODUCERS)
+    service = _headless_for(disagg, producers)
+    grpc_port = _ports(_container(producers))["grpc"]
+    (service_port,) = [p for p in service["spec"]["ports"] if p["targetPort"] == "grpc"]
+    for ordinal in range(producers["spec"]["replicas"] + 2):  # scaled up too
+        args = parse_command(_container(producers)["command"], _pod_env(producers, disagg, ordinal))
+        host, port = split_addr(args.kv_address)
+        assert host == f"{PRODUCERS}-{ordinal}.{service['metadata']['name']}.{disagg_namespace}.{CLUSTER_DOMAIN}"
+        assert port == args.port == grpc_port == service_port["port"]
+
+
+def test_disaggregated_frontends_discover_both_roles(
+    disagg: list[Manifest], disagg_namespace: str
+) -> None:
+    frontend = _workload(disagg, "frontend")
+    args = _args(frontend, disagg)
+    assert args.disaggregated
+    problems = env_flag_problems(_container(frontend)["command"], _container_env(frontend, disagg))
+    assert not problems, "\n".join(problems)
+    wanted = []
+    for name in (CONSUMERS, PRODUCERS):
+        workload = _one(disagg, "StatefulSet", name)
+        service = _headless_for(disagg, workload)
+        wanted.append(f"dns:///{service['metadata']['name']}.{disagg_namespace}.{CLUSTER_DOMAIN}:{_args(workload, disagg).port}")
+    assert args.engines == wanted
+
+
+def test_disaggregated_network_policies_let_consumers_pull(disagg: list[Manifest]) -> None:
+    """Consumers reach the producers' gRPC port (where KvTransfer is served, the port of
+    TANDEM_KV_ADDRESS), frontends reach both roles; nothing else is opened: producers never
+    call consumers, and every rule on the producers names who may come."""
+    producers = _one(disagg, "StatefulSet", PRODUCERS)
+    consumers = _one(disagg, "StatefulSet", CONSUMERS)
+    frontend = _workload(disagg, "frontend")
+    assert _admits(disagg, producers, consumers, "grpc")
+    assert _admits(disagg, producers, frontend, "grpc") and _admits(disagg, consumers, frontend, "grpc")
+    assert not _admits(disagg, consumers, producers, "grpc")
+    assert not _admits(disagg, producers, consumers, "metrics") and not _admits(disagg, producers, consumers, "health")
+    policy = _one(disagg, "NetworkPolicy", PRODUCERS)
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    ports = _ports(_container(producers))
+    for rule in policy["spec"]["ingress"]:
+        assert rule.get("from"), "a producer rule without `from` opens it to everyone"
+        assert all(p["port"] in ports and p["protocol"] == "TCP" for p in rule["ports"]), rule
+    grpc_peers = [peer for rule in _rules_for_port(policy, "grpc") for peer in rule["from"]]
+    for peer in grpc_peers:  # this namespace's frontends and consumers, no one else
+        assert set(peer) == {"podSelector"}, peer
+        assert any(_selects(peer["podSelector"]["matchLabels"], _pod_labels(w)) for w in (frontend, consumers))
+        assert not _selects(peer["podSelector"]["matchLabels"], _pod_labels(producers)), peer
+
+
+def test_disaggregated_pull_authenticates_as_the_code_does(disagg: list[Manifest]) -> None:
+    """A consumer dials a producer with its own engine credentials (engine_service/server.py
+    _kv_connector): TANDEM_ENGINE_TOKEN as x-tandem-engine-token, and with TANDEM_TLS_CA its
+    TANDEM_TLS_CERT/KEY as the client certificate and TANDEM_TLS_CA as the trust root. So
+    both roles read the same token and the same CA, the consumer has a certificate to present,
+    and deploy/README.md says what that certificate must hold (clientAuth, the producers'
+    names)."""
+    producers = _one(disagg, "StatefulSet", PRODUCERS)
+    consumers = _one(disagg, "StatefulSet", CONSUMERS)
+    envs = [_container_env(w, disagg) for w in (producers, consumers)]
+    files = [_secret_files(w) for w in (producers, consumers)]
+    assert envs[0]["TANDEM_ENGINE_TOKEN"] == envs[1]["TANDEM_ENGINE_TOKEN"]  # the same Secret key
+    assert envs[0]["TANDEM_TLS_CA"], "producers require client certificates (mutual TLS)"
+    assert files[0][envs[0]["TANDEM_TLS_CA"]] == files[1][envs[1]["TANDEM_TLS_CA"]]
+    for name in ("TANDEM_TLS_CERT", "TANDEM_TLS_KEY"):
+        assert envs[1][name] in files[1], f"consumers present {name} as their client certificate"
+    readme = README.read_text()
+    service = _headless_for(disagg, producers)["metadata"]["name"]
+    namespace = producers["metadata"]["namespace"]
+    for needed in ("clientAuth", f"{service}.{namespace}.{CLUSTER_DOMAIN}", f"*.{service}.{namespace}.{CLUSTER_DOMAIN}"):
+        assert needed in readme, f"deploy/README.md does not say the engine certificate needs {needed}"
