@@ -51,6 +51,7 @@ clean:
 # engine can run. Not part of `test` (3-10 min; needs the inputs below). This machine's inputs come
 # from the environment: TANDEM_BASE_IMAGE, TANDEM_BUILD_NETWORK, TANDEM_BUILD_CA_BUNDLE,
 # TANDEM_BUILD_WHEELS, TANDEM_PIP_INDEX_URL, TANDEM_TORCH_INDEX_URL (see deploy/README.md).
+# COMPOSE_CHECK_ARGS: more flags for it, e.g. --disaggregated (the disaggregated profile too).
 .PHONY: compose-check
 compose-check: setup
-	$(PY) deploy/compose_check.py
+	$(PY) deploy/compose_check.py $(COMPOSE_CHECK_ARGS)

@@ -15,6 +15,10 @@ unless ``--profile observability``), waits for their healthchecks, and then chec
   container (``restart: unless-stopped``) and the frontend places requests on it again;
 - drain: ``compose stop`` with streams in flight; every stream completes and every
   container exits 0;
+- with ``--disaggregated``, the ``disaggregated`` profile too (a producer engine, a
+  consumer engine, a ``--disaggregated`` frontend on 50052): greedy streams through it give
+  the default stack's tokens, and the consumer pulled their KV from the producer over the
+  compose network (its ``tandem:kv_transfer_loads{outcome="ok"}`` and received bytes);
 
 then prints image sizes and times to healthy, and tears the stack down (``compose down``).
 
@@ -66,6 +70,8 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 FRONTEND, ENGINES = "frontend", ("engine-0", "engine-1")
 SERVICES = (FRONTEND, *ENGINES)
+# The disaggregated profile: frontend, producer, consumer.
+DISAGG_FRONTEND, PRODUCER, CONSUMER = "frontend-disaggregated", "engine-prefill", "engine-decode"
 # What the build context needs (the Dockerfile's COPY sources), copied to a temporary dir.
 CONTEXT_FILES = ("Dockerfile", ".dockerignore", "pyproject.toml", "README.md")
 CONTEXT_DIRS = ("engine_service", "frontend_service", "kernels", "tandem", "deploy/build-ca",
@@ -124,6 +130,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="seconds to wait for the services to turn healthy")
     p.add_argument("--streams", type=int, default=6, help="concurrent streams in the kill and drain checks")
     p.add_argument("--keep-up", action="store_true", help="leave the stack running at the end")
+    p.add_argument("--disaggregated", action="store_true",
+                   help="also start the disaggregated profile and check it (tokens, KV pulled)")
     return p.parse_args(argv)
 
 
@@ -309,6 +317,7 @@ def grpc_modules() -> tuple[Any, Any, Any, Any]:
 class StreamResult:
     index: int
     tokens: int = 0
+    ids: list[int] = field(default_factory=list)
     finished: bool = False
     finish_reason: str = ""
     error: str = ""
@@ -319,12 +328,14 @@ class StreamResult:
 class Streams:
     """``n`` concurrent Generate streams of ``max_tokens`` tokens each (greedy, no EOS)."""
 
-    def __init__(self, target: str, n: int, max_tokens: int, api_key: str | None, tag: str) -> None:
+    def __init__(self, target: str, n: int, max_tokens: int, api_key: str | None, tag: str,
+                 context: str = "") -> None:
         self.grpc, self.common, self.fe, self.fe_grpc = grpc_modules()
         self.channel = self.grpc.insecure_channel(target)
         self.stub = self.fe_grpc.GenerationStub(self.channel)
         self.metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
         self.max_tokens = max_tokens
+        self.context = context  # put before each stream's prompt
         self.started_at = time.monotonic()
         self.results = [StreamResult(i) for i in range(n)]
         self.threads = [threading.Thread(target=self._run, args=(r, tag), daemon=True) for r in self.results]
@@ -338,12 +349,13 @@ class Streams:
     def _run(self, result: StreamResult, tag: str) -> None:
         params = self.common.SamplingParams(temperature=0.0, max_tokens=self.max_tokens, ignore_eos=True,
                                             output_kind=self.common.OUTPUT_KIND_DELTA)
-        request = self.fe.GenerateRequest(prompt=f"Stream {result.index} of the {tag} check:",
+        request = self.fe.GenerateRequest(prompt=f"{self.context}Stream {result.index} of the {tag} check:",
                                           sampling_params=params, request_id=f"{tag}-{result.index}")
         try:
             for response in self.stub.Generate(request, metadata=self.metadata, timeout=600):
                 for out in response.outputs:
                     result.tokens += len(out.token_ids)
+                    result.ids.extend(out.token_ids)
                     if out.finish_reason:
                         result.finish_reason = out.finish_reason
                 if result.tokens and result.first_token_at is None:
@@ -418,6 +430,40 @@ def metric(http_base: str, name: str) -> float:
 # ---- the checks ------------------------------------------------------------------------------
 
 
+def engine_metric(stack: Stack, service: str, name: str, label: str, value: str) -> float:
+    """A sample of an engine's /metrics, read inside its container (8001 is not published)."""
+    probe = "import urllib.request as u; print(u.urlopen('http://127.0.0.1:8001/metrics', timeout=10).read().decode())"
+    text = run(["docker", "exec", stack.container(service), "python", "-c", probe]).stdout
+    return sum(v for lv, v in samples(text, name, label) if lv == value)
+
+
+def check_disaggregated(stack: Stack, api_key: str | None, n: int) -> dict[str, Any]:
+    """Greedy streams through the disaggregated frontend: the default stack's tokens, and
+    their KV pulled by the consumer from the producer."""
+    before_ok = engine_metric(stack, CONSUMER, "tandem:kv_transfer_loads_total", "outcome", "ok")
+    before_bytes = engine_metric(stack, CONSUMER, "tandem:kv_transfer_bytes_total", "direction", "received")
+    runs = {}
+    # Several KV blocks of prompt: a consumer pulls whole blocks only (a prompt inside one
+    # block is computed where it decodes).
+    context = " ".join(f"Sentence {i} of a longer prompt, so that its KV fills blocks." for i in range(12)) + "\n"
+    for service in (FRONTEND, DISAGG_FRONTEND):
+        target = f"127.0.0.1:{stack.published(service, 50051)}"
+        streams = Streams(target, n, 32, api_key, "disaggregated", context).start()
+        streams.join(300)
+        check(len(streams.complete()) == n, f"through {service}: {streams.summary()}")
+        runs[service] = [r.ids for r in streams.results]
+    same = sum(a == b for a, b in zip(runs[FRONTEND], runs[DISAGG_FRONTEND], strict=True))
+    check(same == n, f"{same}/{n} streams through {DISAGG_FRONTEND} have the default stack's token ids")
+    loads = engine_metric(stack, CONSUMER, "tandem:kv_transfer_loads_total", "outcome", "ok") - before_ok
+    received = engine_metric(stack, CONSUMER, "tandem:kv_transfer_bytes_total", "direction", "received") - before_bytes
+    failed = engine_metric(stack, CONSUMER, "tandem:kv_transfer_loads_total", "outcome", "failed")
+    served = engine_metric(stack, PRODUCER, "tandem:kv_transfer_pulls_served_total", "", "")
+    check(loads >= 1 and received > 0,
+          f"{CONSUMER} pulled KV from {PRODUCER}: {loads:.0f} loads ok, {received / 1e6:.2f} MB received, "
+          f"{failed:.0f} failed; {PRODUCER} served {served:.0f} pulls")
+    return {"streams": n, "loads": loads, "bytes": received, "failed": failed}
+
+
 def check_images(stack: Stack) -> dict[str, int]:
     sizes = {"frontend": image_size(stack.image(FRONTEND)), "engine": image_size(stack.image(ENGINES[0]))}
     probe = "import importlib.util as u; print(u.find_spec('torch') is None)"
@@ -430,8 +476,8 @@ def check_images(stack: Stack) -> dict[str, int]:
     return sizes
 
 
-def check_non_root(stack: Stack) -> None:
-    for service in SERVICES:
+def check_non_root(stack: Stack, services: Sequence[str] = SERVICES) -> None:
+    for service in services:
         cid = stack.container(service)
         user = inspect(cid)["Config"]["User"]
         rows = run(["docker", "top", cid, "-eo", "pid,uid"]).stdout.splitlines()[1:]
@@ -570,7 +616,9 @@ def main(argv: Sequence[str] | None = None) -> int:
              "docker-compose: apt-get install docker-compose)")
     import yaml
 
-    stack = Stack(compose, args.project, args.profile, yaml.safe_load(COMPOSE_FILE.read_text()))
+    profiles = list(args.profile) + (["disaggregated"] if args.disaggregated else [])
+    services = SERVICES + ((DISAGG_FRONTEND, PRODUCER, CONSUMER) if args.disaggregated else ())
+    stack = Stack(compose, args.project, profiles, yaml.safe_load(COMPOSE_FILE.read_text()))
     api_key = os.environ.get("TANDEM_API_KEY") or None
     timings: dict[str, float] = {}
     results: dict[str, Any] = {}
@@ -594,14 +642,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         run(stack.cmd("down", "--remove-orphans"), check_rc=False)
         t0 = time.monotonic()
         run(stack.cmd("up", "-d", "--no-build"), timeout=900)
-        healthy = stack.wait_healthy(SERVICES, t0, args.healthy_timeout)
+        healthy = stack.wait_healthy(services, t0, args.healthy_timeout)
         for service, s in healthy.items():
             log(f"{service} healthy {s:.1f} s after `compose up`")
-        check_non_root(stack)
+        check_non_root(stack, services)
         target = f"127.0.0.1:{stack.published(FRONTEND, 50051)}"
         http_base = f"http://127.0.0.1:{stack.published(FRONTEND, 8080)}"
         check_generate(target, api_key)
         check_openai(http_base, api_key)
+        if args.disaggregated:
+            results["disaggregated"] = check_disaggregated(stack, api_key, args.streams)
         n, max_tokens = calibrate(target, api_key, args.streams, max_model_len(http_base, api_key) - 64)
         log(f"{n} streams of {max_tokens} tokens each for the kill and drain checks")
         results["kill"] = check_engine_kill(stack, target, http_base, api_key, n, max_tokens)
@@ -626,6 +676,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"  drain: `compose stop` with {drain['streams']} streams in flight: {drain['completed']}/"
         f"{drain['streams']} completed (the last {drain['last_stream_done_s']:.1f} s after the stop "
         f"began); stop took {drain['stop_s']:.1f} s; every container exited 0")
+    if "disaggregated" in results:
+        d = results["disaggregated"]
+        log(f"  disaggregated: {d['streams']} streams with the default stack's tokens; the consumer "
+            f"loaded {d['loads']:.0f} transfers, {d['bytes'] / 1e6:.2f} MB ({d['failed']:.0f} failed)")
     log("passed")
     return 0
 
