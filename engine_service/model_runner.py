@@ -316,15 +316,7 @@ class ModelRunner:
             return out
         if mask is not None:
             self.structured.apply(logits, mask)  # before sampling: logprobs see the mask
-        metadata = SamplingMetadata.from_requests(
-            [r.sampling_params for r in requests],
-            [r.prompt_token_ids for r in requests],
-            [r.output_token_ids for r in requests],
-            [r.sampling_params.seed for r in requests],
-            [r.eos_token_id for r in requests],
-            self.model_config.vocab_size,
-            logits.device,
-        )
+        metadata = self._sampling_metadata(requests, logits.device)
         result = self.sampler(logits, metadata)
         tokens = result.sampled_token_ids.tolist()
         for row, request in enumerate(requests):
@@ -382,17 +374,20 @@ class ModelRunner:
                 tokens = self.sampler.argmax(self.model.compute_logits(h))
         else:
             logits = self.model.compute_logits(h)
-            metadata = SamplingMetadata.from_requests(
-                [r.sampling_params for r in requests],
-                [r.prompt_token_ids for r in requests],
-                [r.output_token_ids for r in requests],
-                [r.sampling_params.seed for r in requests],
-                [r.eos_token_id for r in requests],
-                self.model_config.vocab_size,
-                logits.device,
-            )
+            metadata = self._sampling_metadata(requests, logits.device)
             tokens = self.sampler(logits, metadata).sampled_token_ids
         return InFlight([r.request_id for r in requests], tokens)
+
+    def _sampling_metadata(self, requests: list[Request], device: torch.device) -> SamplingMetadata:
+        return SamplingMetadata.from_requests(
+            [r.sampling_params for r in requests],
+            [r.prompt_token_ids for r in requests],
+            [r.output_token_ids for r in requests],
+            [r.sampling_params.seed for r in requests],
+            [r.eos_token_id for r in requests],
+            self.model_config.vocab_size,
+            device,
+        )
 
     def _pool(
         self, sched: SchedulerOutput, batch: BatchInputs, hidden: torch.Tensor, out: RunnerOutput
