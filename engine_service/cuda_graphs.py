@@ -207,29 +207,3 @@ class DecodeGraphs:
         replay, out = self._graphs[size]
         replay()
         return out[:batch]
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata
-    ) -> torch.Tensor | None:
-        """``[B, hidden_size]`` hidden states of a decode batch given as device tensors
-        (one new token per sequence) from its graph, or None when no graph fits (run it
-        eagerly). The model runner stages host lists instead (``stage``)."""
-        batch = input_ids.shape[0]
-        width = attn.block_tables.shape[1]
-        if attn.max_query_len != 1 or attn.num_seqs != batch or width > self.max_blocks_per_seq:
-            return None
-        size = self.padded_size(batch)
-        if size is None:
-            return None
-        self.input_ids[:batch].copy_(input_ids)
-        self.positions[:batch].copy_(positions)
-        self.slot_mapping[:batch].copy_(attn.slot_mapping)
-        self.seq_lens[:batch].copy_(attn.seq_lens)
-        self.block_tables[:batch, :width].copy_(attn.block_tables)
-        if size > batch:  # padding rows: nothing written, one token of block 0 read
-            self.input_ids[batch:size].zero_()
-            self.positions[batch:size].zero_()
-            self.slot_mapping[batch:size].fill_(-1)
-            self.seq_lens[batch:size].fill_(1)
-            self.block_tables[batch:size, 0].zero_()
-        return self.replay(size, batch)

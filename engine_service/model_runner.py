@@ -263,6 +263,13 @@ class ModelRunner:
 
     # ---- forward + sampling --------------------------------------------------------
 
+    def _forward(self, batch: BatchInputs) -> torch.Tensor:
+        """``[num_tokens, hidden_size]``: the decode graph's replay where ``_prepare``
+        staged the batch into one, else the eager forward."""
+        if batch.graph_size is not None:
+            return self.graphs.replay(batch.graph_size, batch.input_ids.shape[0])
+        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         batch = self._prepare(sched)
@@ -276,11 +283,7 @@ class ModelRunner:
         if self.executor is not None:
             self.executor.broadcast_step(batch.input_ids, batch.positions, batch.attn, batch.logit_rows)
         try:
-            hidden = None
-            if batch.graph_size is not None:
-                hidden = self.graphs.replay(batch.graph_size, batch.input_ids.shape[0])
-            if hidden is None:
-                hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
+            hidden = self._forward(batch)
         finally:
             if self.lora is not None:
                 self.lora.end_step()
@@ -359,11 +362,7 @@ class ModelRunner:
             src = self._to_device([previous.index[rid] for _, rid in batch.pending], torch.int64)
             batch.input_ids[rows] = previous.tokens[src].to(batch.input_ids.dtype)
         requests = [sched.scheduled[i].request for i in batch.sample_idx]
-        hidden = None
-        if batch.graph_size is not None:
-            hidden = self.graphs.replay(batch.graph_size, batch.input_ids.shape[0])
-        if hidden is None:
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
+        hidden = self._forward(batch)
         rows_l = batch.sample_rows
         if not rows_l:  # prefill chunks only: nothing sampled
             return InFlight([], torch.empty(0, dtype=torch.int64, device=hidden.device))
