@@ -78,17 +78,30 @@ def _rotate_heads(
     HALF_P: tl.constexpr,
     HEADS_P: tl.constexpr,
 ):
-    """Rotate halves in place: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    """Rotate halves in place: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). Returns the
+    two rotated halves as stored ([HEADS_P, HALF_P] each, in the tensor's dtype)."""
     heads = tl.arange(0, HEADS_P)
     cols = tl.arange(0, HALF_P)
     mask = (heads < num_heads)[:, None] & (cols < HALF)[None, :]  # [HEADS_P, HALF_P]
     first = base_ptr + heads[:, None] * stride_head + cols[None, :]
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
-    rotated_1 = x1 * cos[None, :] - x2 * sin[None, :]
-    rotated_2 = x2 * cos[None, :] + x1 * sin[None, :]
-    tl.store(first, rotated_1.to(base_ptr.dtype.element_ty), mask=mask)
-    tl.store(first + HALF, rotated_2.to(base_ptr.dtype.element_ty), mask=mask)
+    rotated_1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(base_ptr.dtype.element_ty)
+    rotated_2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(base_ptr.dtype.element_ty)
+    tl.store(first, rotated_1, mask=mask)
+    tl.store(first + HALF, rotated_2, mask=mask)
+    return rotated_1, rotated_2
+
+
+@triton.jit
+def _cos_sin(cos_sin_ptr, positions_ptr, tok, stride_cos_sin, HALF: tl.constexpr, HALF_P: tl.constexpr):
+    """Token ``tok``'s cos and sin rows ([HALF_P] fp32 each, 0 beyond HALF)."""
+    pos = tl.load(positions_ptr + tok).to(tl.int64)
+    cols = tl.arange(0, HALF_P)
+    cos_ptrs = cos_sin_ptr + pos * stride_cos_sin + cols
+    cos = tl.load(cos_ptrs, mask=cols < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(cos_ptrs + HALF, mask=cols < HALF, other=0.0).to(tl.float32)
+    return cos, sin
 
 
 @triton.jit
@@ -111,11 +124,7 @@ def rotary_embedding_kernel(
 ):
     """One program per token: rotates all its query and key heads."""
     tok = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + tok).to(tl.int64)
-    cols = tl.arange(0, HALF_P)
-    cos_ptrs = cos_sin_ptr + pos * stride_cos_sin + cols
-    cos = tl.load(cos_ptrs, mask=cols < HALF, other=0.0).to(tl.float32)
-    sin = tl.load(cos_ptrs + HALF, mask=cols < HALF, other=0.0).to(tl.float32)
+    cos, sin = _cos_sin(cos_sin_ptr, positions_ptr, tok, stride_cos_sin, HALF, HALF_P)
     q_base = query_ptr + tok * stride_q_tok
     k_base = key_ptr + tok * stride_k_tok
     _rotate_heads(q_base, stride_q_head, NUM_HEADS, cos, sin, HALF, HALF_P, HEADS_P)
@@ -161,24 +170,17 @@ def rotary_and_cache_kernel(
     rotated, as ``rotary_embedding`` rotates every token.
     """
     tok = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + tok).to(tl.int64)
-    cols = tl.arange(0, HALF_P)
-    cos_ptrs = cos_sin_ptr + pos * stride_cos_sin + cols
-    cos = tl.load(cos_ptrs, mask=cols < HALF, other=0.0).to(tl.float32)
-    sin = tl.load(cos_ptrs + HALF, mask=cols < HALF, other=0.0).to(tl.float32)
+    cos, sin = _cos_sin(cos_sin_ptr, positions_ptr, tok, stride_cos_sin, HALF, HALF_P)
     q_base = query_ptr + tok * stride_q_tok
     _rotate_heads(q_base, stride_q_head, NUM_HEADS, cos, sin, HALF, HALF_P, HEADS_P)
+    # Key: rotated and stored in place (every token, padding ones too); k1, k2 are the
+    # stored halves, in key's dtype.
+    k_base = key_ptr + tok * stride_k_tok
+    k1, k2 = _rotate_heads(k_base, stride_k_head, NUM_KV_HEADS, cos, sin, HALF, HALF_P, KV_HEADS_P)
 
-    # Key: rotate and store in place (every token, padding ones too).
     heads = tl.arange(0, KV_HEADS_P)
+    cols = tl.arange(0, HALF_P)
     mask = (heads < NUM_KV_HEADS)[:, None] & (cols < HALF)[None, :]  # [KV_HEADS_P, HALF_P]
-    k_first = key_ptr + tok * stride_k_tok + heads[:, None] * stride_k_head + cols[None, :]
-    x1 = tl.load(k_first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(k_first + HALF, mask=mask, other=0.0).to(tl.float32)
-    k1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(key_ptr.dtype.element_ty)
-    k2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(key_ptr.dtype.element_ty)
-    tl.store(k_first, k1, mask=mask)
-    tl.store(k_first + HALF, k2, mask=mask)
 
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
     if slot >= 0:  # (a branch: the interpreter rejects a block mask & a scalar bool)
