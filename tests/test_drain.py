@@ -143,6 +143,18 @@ def engine_info(address: str) -> engine_pb2.GetEngineInfoResponse:
         return engine_pb2_grpc.EngineCoreStub(channel).GetEngineInfo(engine_pb2.GetEngineInfoRequest(), timeout=10)
 
 
+def wait_admitted(address: str, count: int, timeout: float = CALL_TIMEOUT) -> None:
+    """Until the engine at ``address`` holds ``count`` requests (running or waiting)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = engine_info(address)
+        if info.num_running_reqs + info.num_waiting_reqs >= count:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the engine holds {info.num_running_reqs + info.num_waiting_reqs} of {count} requests")
+        time.sleep(0.05)
+
+
 @pytest.fixture
 def log_dir(tmp_path: Path) -> Path:
     return tmp_path / "logs"
@@ -212,6 +224,9 @@ def test_drain_timeout_aborts_leftovers_with_a_clear_status(tiny_llama_dir: str,
         results, channel = start_streams(stack.address, NUM_STREAMS, LONG_TOKENS)
         with channel:
             wait_any([r.first_token for r in results])
+            # All admitted before the drain starts: one that arrived after would be refused
+            # ("engine 0 is draining"), not left over (seen once in a fresh-clone run).
+            wait_admitted(engine.address, NUM_STREAMS)
             engine.proc.send_signal(signal.SIGTERM)
             wait_all([r.done for r in results])
         assert wait_exit(engine) == 0
