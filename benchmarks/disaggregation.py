@@ -37,7 +37,7 @@ from benchmarks.serve_bench import (
     RequestSpec,
     TandemBackend,
     distribution,
-    free_port,
+    free_port_range,
     run_load,
 )
 
@@ -86,7 +86,7 @@ def transfer_totals(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float
 
 async def run_layout(args: argparse.Namespace, layout: str, streams: list[RequestSpec],
                      longs: list[RequestSpec], tmp: str) -> dict[str, Any]:
-    metrics_base = free_port()
+    metrics_base = free_port_range(2)  # both engines' metrics ports free, not just the first
     serve_args = [*LAYOUTS[layout], "--engine-metrics-base-port", str(metrics_base)]
     engine_args = ["--num-threads", str(args.threads), "--max-model-len", str(args.max_model_len)]
     stack = LaunchedStack(args.model, 2, engine_args, os.path.join(tmp, f"{layout}.log"), serve_args)
