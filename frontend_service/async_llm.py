@@ -114,15 +114,17 @@ class AsyncLLM(
         admission: PendingLimit | None = None,
         migration: MigrationConfig | None = None,
         disaggregated: bool = False,
+        stream_interval: int = 1,
     ) -> None:
         """``admission``: the bound on requests in progress (None: unbounded);
         ``migration``: what happens to requests of a lost engine (default: they move on);
         ``disaggregated``: prefill on a producer engine, decode on a consumer
-        (disaggregation.py)."""
+        (disaggregation.py); ``stream_interval``: tokens per streamed output
+        (``OutputFlow.stream_interval``)."""
         self.tokenizer = tokenizer
         self.engines = engines
         self.input_processor = input_processor
-        self.output_processor = OutputProcessor(tokenizer)
+        self.output_processor = OutputProcessor(tokenizer, stream_interval)
         self.client_index = client_index
         self.streams: dict[str, _Stream] = {}  # internal request id -> stream
         self._resumed = asyncio.Event()

@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from tandem.argtypes import non_negative_float, non_negative_int
+from tandem.argtypes import non_negative_float, non_negative_int, positive_int
 from tandem.protocol import convert
 from tandem.protocol.outputs import EngineCoreOutputs, EngineCoreRequest, UtilityOutput
 from tandem.security import EngineChannelSecurity
@@ -88,7 +88,8 @@ OUTPUT_WINDOW = 2
 
 @dataclass(frozen=True)
 class OutputFlow:
-    """How an engine's outputs flow to this frontend (each is a flag and an env var)."""
+    """How outputs flow from the engines through this frontend to its clients (each is a
+    flag and an env var)."""
 
     # Hello.output_window: unacknowledged output messages in flight before the engine
     # merges its later steps; 0: one message per step, no flow control.
@@ -98,12 +99,19 @@ class OutputFlow:
     # interval in one client message. Trades up to this much latency per token for
     # fewer messages (less CPU per token) at GPU speed; 0: as fast as they are handed out.
     interval_s: float = 0.0
+    # Tokens per streamed client message (vLLM's --stream-interval): a DELTA or
+    # CUMULATIVE stream gets its first token at once, then a message once this many
+    # tokens are new, and the last one at the finish. Fewer, larger messages: less CPU
+    # per token in the frontend and the clients; 1: a message per step.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         if self.window < 0:
             raise ValueError(f"the output window must be >= 0, got {self.window}")
         if not self.interval_s >= 0:
             raise ValueError(f"the output interval must be >= 0 s, got {self.interval_s}")
+        if self.stream_interval < 1:
+            raise ValueError(f"the stream interval must be >= 1 token, got {self.stream_interval}")
 
 
 def add_output_flow_cli(parser: Any) -> None:
@@ -124,10 +132,17 @@ def add_output_flow_cli(parser: Any) -> None:
         "per token for fewer messages, i.e. less CPU per token at GPU speed; 0: none (env "
         "TANDEM_ENGINE_OUTPUT_INTERVAL_MS; default 0).",
     )
+    parser.add_argument(
+        "--stream-interval", type=positive_int, default=positive_int(env("TANDEM_STREAM_INTERVAL", "1")),
+        help="Tokens per streamed message (vLLM's flag): a streaming request gets its first token "
+        "at once, then a message whenever this many tokens are new, and the last at its finish. "
+        "Larger: less CPU per token in the frontend and its clients, burstier streams (env "
+        "TANDEM_STREAM_INTERVAL; default 1: every step's tokens as they come).",
+    )
 
 
 def output_flow_from_args(args: Any) -> OutputFlow:
-    return OutputFlow(args.engine_output_window, args.engine_output_interval_ms / 1000.0)
+    return OutputFlow(args.engine_output_window, args.engine_output_interval_ms / 1000.0, args.stream_interval)
 
 
 # A stream that has not written its share of an output message within this many

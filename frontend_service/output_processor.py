@@ -265,6 +265,10 @@ class ParentRequest:
 
     Usage counts the prompt once, completion tokens summed over children, and the
     largest prefix-cache hit among children.
+
+    ``stream_interval`` (vLLM's ``--stream-interval``): DELTA and CUMULATIVE outputs come
+    at the first token, then once at least that many tokens (all children) are new since
+    the previous output, and at the finish; 1: every step that made progress.
     """
 
     def __init__(self, request_id: str, sampling_params: SamplingParams) -> None:
@@ -279,6 +283,11 @@ class ParentRequest:
         self._prompt_logprobs_sent = False
         self._final_sent = False
         self._aborted = False
+        self._num_outputs = 0  # RequestOutputs made so far
+        self._tokens_at_output = 0  # output tokens of all children at the last one
+        # Children that progressed in steps held back by the stream interval: their
+        # deltas go out with the next output.
+        self._held: list[RequestState] = []
 
     @property
     def output_kind(self) -> RequestOutputKind:
@@ -328,7 +337,7 @@ class ParentRequest:
         self._aborted = True
         return aborted
 
-    def make_output(self, progressed: Sequence[RequestState]) -> RequestOutput | None:
+    def make_output(self, progressed: Sequence[RequestState], stream_interval: int = 1) -> RequestOutput | None:
         """The ``RequestOutput`` after this step, or None when nothing is due.
         ``progressed``: the children that moved this step (one may appear twice)."""
         if self._final_sent:
@@ -338,6 +347,16 @@ class ParentRequest:
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         children = self.children
+        num_tokens = sum(len(c.token_ids) for c in children) if stream_interval > 1 else 0
+        if stream_interval > 1:
+            if not finished and self._num_outputs and num_tokens - self._tokens_at_output < stream_interval:
+                self._held.extend(progressed)
+                return None
+            if self._held:
+                progressed = [*self._held, *progressed]
+                self._held = []
+        self._num_outputs += 1
+        self._tokens_at_output = num_tokens
         if kind != RequestOutputKind.DELTA:
             completions = [self._cumulative(i) for i in range(self.n)]
         elif self.n == 1:  # every entry of progressed is the one child
@@ -400,7 +419,11 @@ class OutputProcessor:
     longer tracks are ignored (the engine may still send a step after an abort).
     """
 
-    def __init__(self, tokenizer: Any | None) -> None:
+    def __init__(self, tokenizer: Any | None, stream_interval: int = 1) -> None:
+        """``stream_interval``: tokens per DELTA/CUMULATIVE output (see ``ParentRequest``)."""
+        if not isinstance(stream_interval, int) or stream_interval < 1:
+            raise ValueError(f"the stream interval must be an integer >= 1, got {stream_interval!r}")
+        self.stream_interval = stream_interval
         self._tokenizer = tokenizer
         self._decoder = TokenTextDecoder(tokenizer) if tokenizer is not None else None
         self._states: dict[str, RequestState] = {}  # engine request id -> state
@@ -496,7 +519,7 @@ class OutputProcessor:
     def _emit(
         self, parent: ParentRequest, states: list[RequestState], result: ProcessedOutputs
     ) -> None:
-        request_output = parent.make_output(states)
+        request_output = parent.make_output(states, self.stream_interval)
         if request_output is not None:
             result.request_outputs.append((parent.request_id, request_output))
         if parent.finished:

@@ -241,7 +241,7 @@ async def _serve_frontend(
         tokenizer, group, processor, config.client_index,
         model_name=model_name, metrics=metrics, tracing=tracing,
         admission=PendingLimit(config.max_pending_requests), migration=config.migration,
-        disaggregated=config.disaggregated,
+        disaggregated=config.disaggregated, stream_interval=config.engine_output.stream_interval,
     )
     holder["llm"] = llm
     await llm.loras.refresh()  # the engines' --lora-modules, selectable by name

@@ -171,7 +171,8 @@ def frontend_processes(args: argparse.Namespace, model: str, engines: list[str])
                 "--metrics-port", "0", "--admin-port", "0", "--health-port", str(health_port),
                 "--connect-timeout", str(args.connect_timeout),
                 "--engine-output-window", str(args.engine_output_window),
-                "--engine-output-interval-ms", str(args.engine_output_interval_ms)]
+                "--engine-output-interval-ms", str(args.engine_output_interval_ms),
+                "--stream-interval", str(args.stream_interval)]
         if args.prefill_engines:
             argv.append("--disaggregated")
         children.append(EngineProcess(i, f"{host}:{health_port}", argv, env, kind="frontend"))

@@ -192,6 +192,34 @@ def test_output_kinds(stub: frontend_pb2_grpc.GenerationStub) -> None:
     assert (prev_text, prev_ids) == (final.text, list(final.token_ids))
 
 
+def test_stream_interval_sends_the_same_tokens_in_fewer_messages(
+    e2e_stack: Stack, stub: frontend_pb2_grpc.GenerationStub, tmp_path
+) -> None:  # type: ignore[no-untyped-def]
+    # A second frontend on the same engines with --stream-interval 5 (set by env, as a
+    # container would): DELTA and CUMULATIVE streams carry the first token at once,
+    # then at least 5 new tokens a message, and end with the same text and tokens.
+    spaced = start_frontend(e2e_stack.model_dir, [e.address for e in e2e_stack.engines], tmp_path,
+                            name="frontend-interval", env={"TANDEM_STREAM_INTERVAL": "5"})
+    try:
+        spaced.wait_serving()
+        with grpc.insecure_channel(spaced.address) as channel:
+            spaced_stub = frontend_pb2_grpc.GenerationStub(channel)
+            for kind in (DELTA, CUMULATIVE):
+                request = frontend_pb2.GenerateRequest(prompt="Once upon a time", sampling_params=greedy(23, kind))
+                every, fewer = run(stub, request), run(spaced_stub, request)
+                counts = [len(r.outputs[0].token_ids) for r in fewer]
+                if kind == CUMULATIVE:
+                    assert fewer[-1].outputs[0] == every[-1].outputs[0]
+                    counts = [b - a for a, b in zip([0, *counts], counts)]
+                else:
+                    assert joined(fewer) == joined(every)
+                assert counts[0] == 1 and all(c >= 5 for c in counts[1:-1]) and sum(counts) == 23
+                assert len(fewer) <= 1 + -(-22 // 5)  # the first token, then >= 5 a message
+    finally:
+        spaced.stop()
+    e2e_stack.wait_engines_idle()
+
+
 def test_detokenize_false_streams_token_ids_without_text(stub: frontend_pb2_grpc.GenerationStub) -> None:
     text = run(stub, frontend_pb2.GenerateRequest(prompt="Once upon a time", sampling_params=greedy(16, DELTA)))
     params = greedy(16, DELTA)

@@ -444,3 +444,97 @@ def test_columns_give_the_same_outputs_as_objects(tokenizer: Any, rng: random.Ra
             assert len(got.request_outputs) == len(want.request_outputs)
             assert sorted(got.reqs_to_abort) == sorted(want.reqs_to_abort)
         assert not by_columns.has_unfinished_requests()
+
+
+def _run_steps(
+    processor: OutputProcessor, steps: list[list[EngineCoreOutput]]
+) -> list[RequestOutput]:
+    outs: list[RequestOutput] = []
+    for step in steps:
+        outs += [o for _, o in processor.process_outputs(step).request_outputs]
+    return outs
+
+
+def _n_steps(rng: random.Random, seqs: list[list[int]], user_id: str) -> list[list[EngineCoreOutput]]:
+    """Engine steps of ``len(seqs)`` children of ``user_id`` (ids ``f"{i}_{user_id}"``, or
+    ``user_id`` for one child), each giving a random subset of them 1-3 tokens; each
+    child's last step carries LENGTH."""
+    ids = [user_id] if len(seqs) == 1 else [f"{i}_{user_id}" for i in range(len(seqs))]
+    cursors = [0] * len(seqs)
+    steps = []
+    while any(c < len(s) for c, s in zip(cursors, seqs)):
+        step = []
+        for i in rng.sample(range(len(seqs)), rng.randint(1, len(seqs))):
+            start = cursors[i]
+            if start >= len(seqs[i]):
+                continue
+            cursors[i] = min(start + rng.choice([1, 1, 2, 3]), len(seqs[i]))
+            done = cursors[i] == len(seqs[i])
+            step.append(EngineCoreOutput(ids[i], seqs[i][start : cursors[i]],
+                                         finish_reason=FinishReason.LENGTH if done else None))
+        steps.append(step)
+    return steps
+
+
+@pytest.mark.parametrize("kind", [DELTA, CUMULATIVE, FINAL_ONLY])
+@pytest.mark.parametrize("n", [1, 3])
+def test_stream_interval_sends_fewer_outputs_with_the_same_content(
+    kind: RequestOutputKind, n: int, tokenizer: Any, rng: random.Random
+) -> None:
+    for _ in range(5):
+        interval = rng.randint(2, 6)
+        seqs = [split_ids(rng, tokenizer, random_text(rng, rng.randint(1, 30))) for _ in range(n)]
+        steps = _n_steps(rng, seqs, "p")
+        runs = {}
+        for every in (1, interval):
+            processed = _inputs(tokenizer).process("p", SamplingParams(n=n, seed=1, output_kind=kind), prompt="hi")
+            processor = OutputProcessor(tokenizer, stream_interval=every)
+            processor.add_processed(processed)
+            runs[every] = _run_steps(processor, steps)
+            assert not processor.has_unfinished_requests()
+        plain, spaced = runs[1], runs[interval]
+        assert [o.finished for o in spaced] == [False] * (len(spaced) - 1) + [True]
+        if kind == DELTA:  # every token and character exactly once, in order, per child
+            for i in range(n):
+                def child(outs: list[RequestOutput], i: int = i) -> tuple[list[int], str]:
+                    mine = [c for o in outs for c in o.outputs if c.index == i]
+                    return [t for c in mine for t in c.token_ids], "".join(c.text for c in mine)
+
+                assert child(spaced) == child(plain)
+            final = {c.index: c.finish_reason for o in spaced for c in o.outputs if c.finish_reason}
+            assert final == dict.fromkeys(range(n), "length")
+        else:
+            assert spaced[-1].outputs == plain[-1].outputs
+        assert spaced[-1].usage == plain[-1].usage
+        if kind == FINAL_ONLY:
+            assert len(spaced) == len(plain) == 1
+            continue
+        # The first output at once; then one each time `interval` tokens were new.
+        assert spaced[0].outputs == plain[0].outputs
+        counts = [sum(len(c.token_ids) for c in o.outputs) for o in spaced]
+        if kind == CUMULATIVE:
+            counts = [b - a for a, b in zip([0, *counts], counts)]
+        assert all(c >= interval for c in counts[1:-1])
+        total = sum(map(len, seqs))
+        assert len(spaced) <= 2 + (total - 1) // interval
+        assert len(spaced) <= len(plain)
+
+
+def test_stream_interval_must_be_a_positive_integer(tokenizer: Any) -> None:
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="stream interval"):
+            OutputProcessor(tokenizer, stream_interval=bad)  # type: ignore[arg-type]
+
+
+def test_stream_interval_holds_no_text_past_a_stop_string(tokenizer: Any) -> None:
+    # A stop string ends the request within a held-back stretch: the final output
+    # carries everything before it, nothing after.
+    ids = tokenizer.encode("one two three four five six", add_special_tokens=False)
+    runs = {}
+    for every in (1, 4):
+        processor, _ = _start(tokenizer, stop=["four"], output_kind=DELTA)
+        processor.stream_interval = every
+        outs = _run_steps(processor, [[EngineCoreOutput("req", [t])] for t in ids])
+        runs[every] = ("".join(o.outputs[0].text for o in outs), outs[-1].outputs[0].finish_reason, len(outs))
+    assert runs[4][:2] == runs[1][:2] == ("one two three ", "stop")
+    assert runs[4][2] < runs[1][2]
