@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -212,6 +213,24 @@ def test_split_cost_runs_every_path_with_the_same_tokens(tiny_llama_dir: str, tm
         assert run["us_per_token"]["frontend"] > 0 and run["us_per_token"]["engine"] > 0
         if run["mode"] != "http":
             assert run["digest"] == doc["local"]["digest"]
+
+
+def test_message_cost_benchmark_measures_every_case(tmp_path: Path) -> None:
+    out = tmp_path / "messages.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.message_cost", "--smoke", "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    doc = json.loads(out.read_text())
+    assert set(doc["us_per_message"]) == {
+        "socket", "grpc.aio client stream", "grpc sync client stream", "grpc.aio server stream"
+    }
+    for case in doc["us_per_message"].values():
+        assert set(case) == {"back to back", "spaced"}
+        # Sender and receiver, each a number (50 messages are too few for the 10 ms CPU
+        # clock of another process to say more).
+        assert all(len(pair) == 2 and all(math.isfinite(x) for x in pair) for pair in case.values())
 
 
 def test_contention_benchmark_runs_quiet_and_beside_a_neighbour(tiny_llama_dir: str) -> None:
