@@ -107,6 +107,14 @@ class EngineConfig:
             "run as before."
         },
     )
+    triton_gemv: bool = field(
+        default=False,
+        metadata={
+            "help": "CUDA with the triton backend: linears of 1-8 rows (small-batch decode) run "
+            "Tandem's Triton GEMV instead of cuBLAS. Off until a GPU run shows it faster "
+            "(benchmarks.gpu_decode --triton-gemv)."
+        },
+    )
     linear_backend: Literal["auto", "torch", "onednn", "panel"] = field(
         default="auto",
         metadata={

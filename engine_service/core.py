@@ -107,7 +107,7 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
         config = self.config
         engine_index = self.engine_index
         start = time.perf_counter()
-        ops = get_ops(config.resolved_attention_backend)
+        ops = get_ops(config.resolved_attention_backend, config.triton_gemv)
         self._ops = ops
         with _phase(tracer, "load_model") as span:
             self.model, self.model_config = self._load_model()

@@ -25,11 +25,16 @@ class KernelOps:
     rotary_and_cache: Callable[..., None]
     silu_and_mul: Callable[..., Any]
     apply_token_bitmask: Callable[..., None]
+    # ``x @ w.T + b`` for the few rows of small-batch decode ([M, K] x [N, K] -> [M, N],
+    # M <= rows_max) on the backend's own kernel; None: every linear is F.linear.
+    small_rows_linear: Callable[..., Any] | None = None
+    small_rows_max: int = 0
 
 
-def get_ops(backend: str) -> KernelOps:
+def get_ops(backend: str, gemv: bool = False) -> KernelOps:
     """Return the ops of ``backend``: "torch" (PyTorch reference), "cpu" (reference plus
-    the native in-place decode attention, built on first use) or "triton"."""
+    the native in-place decode attention, built on first use) or "triton" (``gemv``: with
+    the GEMV for linears of a few rows)."""
     mod: Any
     if backend == "torch":
         from kernels import reference as mod
@@ -55,7 +60,14 @@ def get_ops(backend: str) -> KernelOps:
         silu_and_mul=getattr(mod, "silu_and_mul", _reference_silu_and_mul),
         # A structured-output mask: native on CPU, the (device-agnostic) reference elsewhere.
         apply_token_bitmask=getattr(mod, "apply_token_bitmask", _reference_apply_token_bitmask),
+        **(_triton_gemv() if gemv and backend == "triton" else {}),
     )
+
+
+def _triton_gemv() -> dict[str, Any]:
+    from kernels import triton_linear
+
+    return {"small_rows_linear": triton_linear.gemv, "small_rows_max": triton_linear.MAX_ROWS}
 
 
 def _composed_rotary_and_cache(

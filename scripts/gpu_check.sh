@@ -50,6 +50,10 @@ PARTS=" ${GPU_CHECK_PARTS:-decode split tests sync} "
 # without and with async scheduling, and the GPU time of each kernel of a step.
 if [[ "$PARTS" == *" decode "* ]]; then
 python3 -m benchmarks.gpu_decode --json "$OUT/decode.json" 2>&1 | grep -v '^\[engine' | tee "$OUT/decode.txt" || true
+# The same with the Triton GEMV for the linears of 1-8 rows (kernels/triton_linear.py, opt-in
+# until this shows it beating cuBLAS): compare step_ms and the kernel tables.
+python3 -m benchmarks.gpu_decode --triton-gemv --json "$OUT/decode-gemv.json" 2>&1 \
+    | grep -v '^\[engine' | tee "$OUT/decode-gemv.txt" || true
 echo "after decode: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
 fi
 
@@ -71,7 +75,8 @@ fi
 # and without async scheduling) and the fused kernels' numerics there. Their CPU cases run in CI.
 if [[ "$PARTS" == *" tests "* ]]; then
 python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_graphs.py tests/test_engine_parity.py \
-    tests/test_kernels.py -k "test_cuda_graphs or (cuda and (test_engine_parity or silu or rotary_and_cache))" \
+    tests/test_kernels.py tests/test_triton_linear.py \
+    -k "test_cuda_graphs or (cuda and (test_engine_parity or silu or rotary_and_cache or attention or gemv))" \
     2>&1 | tail -5 | tee "$OUT/tests.txt"
 echo "after tests: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
 fi

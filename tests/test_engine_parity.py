@@ -94,6 +94,8 @@ if torch.cuda.is_available():
         num_gpu_blocks_override=1024,
     )
     SETUPS["cuda-float32-async"] = {**SETUPS["cuda-float32"], "async_scheduling": True}
+    # The Triton GEMV for linears of 1-8 rows (opt-in; decode batches here are small).
+    SETUPS["cuda-float32-gemv"] = {**SETUPS["cuda-float32"], "triton_gemv": True}
 
 
 @pytest.fixture(scope="module", params=ARCHS)

@@ -50,14 +50,17 @@ _SM90_MAX_SHARED = 232448
 class KernelWorker:
     """A child Python that runs ``case_*`` functions of this module on request."""
 
-    def __init__(self, env: dict[str, str], log_path: Path) -> None:
+    def __init__(self, env: dict[str, str], log_path: Path, module: str = "tests.test_kernels") -> None:
+        """``module``: the test module whose ``case_*`` functions the worker runs (its
+        ``serve`` is this module's ``serve`` over its own ``_CASES``)."""
         self._env = env
         self._log_path = log_path
+        self._module = module
         self._proc: subprocess.Popen[str] | None = None
 
     def _start(self) -> subprocess.Popen[str]:
         log = self._log_path.open("a")
-        code = "import tests.test_kernels as t; t.serve()"
+        code = f"import {self._module} as t; t.serve()"
         proc = subprocess.Popen(
             [sys.executable, "-c", code],
             cwd=REPO,
@@ -98,15 +101,17 @@ class KernelWorker:
             self._proc.wait()
 
 
-def serve() -> None:
-    """Worker main loop: one JSON request per stdin line, one reply line per request."""
+def serve(cases: dict[str, Callable[..., Any]] | None = None) -> None:
+    """Worker main loop: one JSON request per stdin line, one reply line per request;
+    ``cases``: by name (default: this module's ``case_*`` functions)."""
+    cases = _CASES if cases is None else cases
     replies = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # anything else printed goes to the log, not into the reply stream
     torch.set_num_threads(1)
     for line in sys.stdin:
         request = json.loads(line)
         try:
-            result = _CASES[request["case"]](**request["params"])
+            result = cases[request["case"]](**request["params"])
             reply = {"ok": True, "result": result}
         except Exception:
             reply = {"ok": False, "error": traceback.format_exc()}
@@ -739,10 +744,15 @@ def _plan_for_compile(kernel: str, cfg: dict[str, Any]) -> Any:
 
 def case_compile_sm90(kernel: str, cfg: dict[str, Any]) -> dict[str, int]:
     """Compile one launch for sm_90 down to cubin; check shared memory and spills."""
+    return compile_sm90(_plan_for_compile(kernel, cfg))
+
+
+def compile_sm90(launch: Any) -> dict[str, int]:
+    """``launch`` (a KernelLaunch) compiled for sm_90 down to cubin, with its shared
+    memory and ptxas's register and spill report checked (in a compiling worker)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
-    launch = _plan_for_compile(kernel, cfg)
     params = list(launch.args) + list(launch.constexprs)
     assert params == launch.kernel.arg_names, f"plan order {params} != {launch.kernel.arg_names}"
     ptxas_log = io.StringIO()

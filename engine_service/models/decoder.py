@@ -78,8 +78,12 @@ class FusedLinear(nn.Module):
         bias: bool,
         dtype: torch.dtype,
         device: torch.device,
+        ops: KernelOps | None = None,
     ) -> None:
         super().__init__()
+        # The backend's kernel for at most ``_small_rows_max`` rows (KernelOps.small_rows_linear).
+        self._small_rows = ops.small_rows_linear if ops is not None else None
+        self._small_rows_max = ops.small_rows_max if ops is not None else 0
         # [out_features, in_features]; None once pack() moved it into packed_weight.
         self.weight: nn.Parameter | None = _empty_param(out_features, in_features, dtype=dtype, device=device)
         self.bias = _empty_param(out_features, dtype=dtype, device=device) if bias else None
@@ -96,6 +100,8 @@ class FusedLinear(nn.Module):
         """``x @ W.T + bias`` on whichever form the weight is in."""
         if self.packed_weight is not None:
             return packed_matmul(x, self.packed_weight, bias)
+        if self._small_rows is not None and x.dim() == 2 and x.shape[0] <= self._small_rows_max:
+            return self._small_rows(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -118,9 +124,9 @@ class Attention(nn.Module):
         features = config.features
         # Output rows: [q (q_size) | k (kv_size) | v (kv_size)].
         self.qkv_proj = FusedLinear(
-            config.hidden_size, self.q_size + 2 * self.kv_size, features.qkv_bias, dtype, device
+            config.hidden_size, self.q_size + 2 * self.kv_size, features.qkv_bias, dtype, device, ops
         )
-        self.o_proj = FusedLinear(self.q_size, config.hidden_size, features.o_proj_bias, dtype, device)
+        self.o_proj = FusedLinear(self.q_size, config.hidden_size, features.o_proj_bias, dtype, device, ops)
         self.q_norm = RMSNormWeight(self.head_dim, dtype, device) if features.qk_norm else None
         self.k_norm = RMSNormWeight(self.head_dim, dtype, device) if features.qk_norm else None
 
@@ -173,9 +179,9 @@ class MLP(nn.Module):
         self.ops = ops
         # Output rows: [gate (intermediate) | up (intermediate)].
         self.gate_up_proj = FusedLinear(
-            config.hidden_size, 2 * config.intermediate_size, bias, dtype, device
+            config.hidden_size, 2 * config.intermediate_size, bias, dtype, device, ops
         )
-        self.down_proj = FusedLinear(config.intermediate_size, config.hidden_size, bias, dtype, device)
+        self.down_proj = FusedLinear(config.intermediate_size, config.hidden_size, bias, dtype, device, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> same
         gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
