@@ -23,6 +23,7 @@ from engine_service.sampler import (
     SamplingMetadata,
     argmax_suffices,
     compute_logprobs_tensors,
+    reads_outputs_on_host,
 )
 from engine_service.scheduler import SchedulerOutput
 from engine_service.structured_output import StructuredOutputManager
@@ -344,8 +345,7 @@ class ModelRunner:
                 return False
             if request.prompt_logprobs_pending:
                 return False
-            p = request.sampling_params
-            if p.logprobs is not None or p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+            if reads_outputs_on_host(request.sampling_params):
                 return False
         return True
 

@@ -187,6 +187,19 @@ class SamplingMetadata:
         )
 
 
+def reads_outputs_on_host(p: SamplingParams) -> bool:
+    """Whether sampling a row of ``p`` reads the request's earlier output tokens on the
+    host (presence, frequency and repetition penalties count them) or sends logprobs
+    back: such a row cannot take its input token from a step still on the device
+    (async scheduling), nor skip ``SamplingMetadata``."""
+    return (
+        p.logprobs is not None
+        or p.presence_penalty != 0.0
+        or p.frequency_penalty != 0.0
+        or p.repetition_penalty != 1.0
+    )
+
+
 def argmax_suffices(p: SamplingParams, num_output: int, eos_token_id: int | None) -> bool:
     """Whether a row's token is the first argmax of its raw logits, as the sampler would
     pick it: greedy (or top_k = 1), no logprobs asked, and no mask, bias or penalty that
@@ -194,10 +207,7 @@ def argmax_suffices(p: SamplingParams, num_output: int, eos_token_id: int | None
     if not (p.greedy or (p.top_k_enabled and p.top_k == 1)):
         return False
     return (
-        p.logprobs is None
-        and p.presence_penalty == 0.0
-        and p.frequency_penalty == 0.0
-        and p.repetition_penalty == 1.0
+        not reads_outputs_on_host(p)
         and not p.logit_bias
         and p.allowed_token_ids is None
         and _min_tokens_block(p, num_output, eos_token_id) is None
