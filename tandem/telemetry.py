@@ -18,7 +18,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +105,7 @@ def tracing_from_env(default_service_name: str) -> Tracing | None:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
             provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+            quiet_export_failures()
         elif name == "console":
             provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
         else:
@@ -116,6 +118,47 @@ def tracing_from_env(default_service_name: str) -> Tracing | None:
         resource.attributes.get(SERVICE_NAME), ", ".join(exporters),
     )
     return Tracing(tracer, provider)
+
+
+OTLP_EXPORTER_LOGGER = "opentelemetry.exporter.otlp.proto.grpc.exporter"
+
+
+class ThrottledLog(logging.Filter):
+    """Lets a logger's warnings and errors through at most once per ``interval_s``; the
+    first goes at once, a later one says how many were held back since. Debug and info
+    records pass untouched.
+
+    For the OTLP exporter, which logs every retry and every failed export: with its
+    collector away (the compose stack without its observability profile, a collector
+    restarting) each service would log a line every few seconds while requests flow."""
+
+    def __init__(self, interval_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__()
+        self.interval_s = interval_s
+        self._clock = clock
+        self._last: float | None = None
+        self._held = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING:
+            return True
+        now = self._clock()
+        if self._last is not None and now - self._last < self.interval_s:
+            self._held += 1
+            return False
+        if self._held:
+            record.msg = f"{record.getMessage()} ({self._held} more held back in the last {now - self._last:.0f} s)"
+            record.args = None
+        self._last, self._held = now, 0
+        return True
+
+
+def quiet_export_failures(interval_s: float = 60.0) -> None:
+    """Throttle the OTLP exporter's retry and failure messages (``ThrottledLog``); once
+    per process."""
+    exporter_logger = logging.getLogger(OTLP_EXPORTER_LOGGER)
+    if not any(isinstance(f, ThrottledLog) for f in exporter_logger.filters):
+        exporter_logger.addFilter(ThrottledLog(interval_s))
 
 
 # ---- metrics ------------------------------------------------------------------------------

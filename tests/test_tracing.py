@@ -7,6 +7,7 @@ services find it only through the standard OTel environment variables.
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import threading
@@ -244,6 +245,45 @@ def test_tracing_is_configured_by_the_otel_environment(
     if tracing is not None:
         assert tracing.provider.resource.attributes["service.name"] == "tandem-test"
         tracing.shutdown()
+
+
+def test_export_failures_are_logged_once_a_minute_with_a_count() -> None:
+    now = [100.0]
+    throttle = telemetry.ThrottledLog(60.0, clock=lambda: now[0])
+
+    def record(level: int, msg: str = "Failed to export %s to %s", args: tuple = ("traces", "x:4317")):
+        return logging.LogRecord(telemetry.OTLP_EXPORTER_LOGGER, level, __file__, 1, msg, args, None)
+
+    assert throttle.filter(record(logging.WARNING))  # the first at once
+    held = [throttle.filter(record(level)) for level in (logging.WARNING, logging.ERROR, logging.ERROR)]
+    assert held == [False, False, False]
+    assert throttle.filter(record(logging.DEBUG))  # below WARNING: untouched, not counted
+    now[0] += 61.0
+    later = record(logging.ERROR)
+    assert throttle.filter(later)
+    assert later.getMessage() == "Failed to export traces to x:4317 (3 more held back in the last 61 s)"
+    assert not throttle.filter(record(logging.ERROR))
+    now[0] += 60.0
+    quiet_again = record(logging.ERROR)
+    assert throttle.filter(quiet_again) and "(1 more held back" in quiet_again.getMessage()
+
+
+def test_an_otlp_exporter_gets_its_log_throttled_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in [k for k in os.environ if k.startswith("OTEL_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:1")
+    exporter_logger = logging.getLogger(telemetry.OTLP_EXPORTER_LOGGER)
+    before = list(exporter_logger.filters)
+    try:
+        for _ in range(2):
+            tracing = telemetry.tracing_from_env("tandem-test")
+            assert tracing is not None
+            tracing.shutdown()
+        added = [f for f in exporter_logger.filters if f not in before]
+        assert sum(isinstance(f, telemetry.ThrottledLog) for f in exporter_logger.filters) == 1
+        assert len(added) <= 1
+    finally:
+        exporter_logger.filters[:] = before
 
 
 def test_service_name_and_sampler_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
