@@ -230,12 +230,15 @@ def local_main(args: argparse.Namespace) -> int:
     prompts = [{"prompt_token_ids": p} for p in work.prompts]
     warm = max(1, len(prompts) // 10)
     llm.generate(prompts[:warm], params[:warm])
+    observer = llm.engine.observer
+    steps0, reqs0 = observer.steps, observer.scheduled_reqs
     cpu0, start = time.process_time(), time.perf_counter()
     outs = llm.generate(prompts, params)
     seconds, cpu = time.perf_counter() - start, time.process_time() - cpu0
     lists = [list(o.outputs[0].token_ids) for o in outs]
+    batch = {"steps": observer.steps - steps0, "requests": observer.scheduled_reqs - reqs0}
     print(json.dumps({"tokens": sum(map(len, lists)), "digest": digest(lists), "lists": lists,
-                      "seconds": seconds, "cpu": cpu}), flush=True)
+                      "seconds": seconds, "cpu": cpu, "batch": batch}), flush=True)
     return 0
 
 
@@ -261,11 +264,11 @@ class Stack:
     """``tandem serve`` with one engine, its processes told apart by their command lines."""
 
     def __init__(self, model: str, frontends: int, engine_args: list[str], serve_args: list[str] = ()) -> None:
-        self.port, self.http_port = free_port(), free_port()
+        self.port, self.http_port, self.engine_metrics_port = free_port(), free_port(), free_port()
         cmd = [sys.executable, "-m", "tandem.cli", "--log-level", "WARNING", "serve", "--model", model,
                "--port", str(self.port), "--engine-base-port", str(free_port()),
                "--http-port", str(self.http_port), "--metrics-port", "0", "--admin-port", "0",
-               "--engine-metrics-base-port", "0"]
+               "--engine-metrics-base-port", str(self.engine_metrics_port)]
         if frontends != 1:
             cmd += ["--frontends", str(frontends)]
         cmd += list(serve_args)
@@ -275,6 +278,25 @@ class Stack:
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    def engine_batches(self) -> dict[str, float]:
+        """The engine's steps so far and the requests they ran (its
+        ``tandem:iteration_requests`` histogram)."""
+        import urllib.request
+
+        from prometheus_client.parser import text_string_to_metric_families
+
+        url = f"http://127.0.0.1:{self.engine_metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+        found = {"steps": 0.0, "requests": 0.0}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "tandem:iteration_requests_count":
+                    found["steps"] += sample.value
+                elif sample.name == "tandem:iteration_requests_sum":
+                    found["requests"] += sample.value
+        return found
 
     def wait_ready(self, timeout: float = 300) -> float:
         import grpc
@@ -357,6 +379,7 @@ def run_clients(stack: Stack, mode: str, work_path: str, clients: int, concurren
     roles = stack.processes()
     profilers = start_profilers(roles, profile_dir, mode) if profile_dir else []
     before = {pid: cpu_seconds(pid) for pids in roles.values() for pid in pids}
+    batches = stack.engine_batches()
     start = time.perf_counter()
     for p in procs:
         assert p.stdin is not None
@@ -369,6 +392,7 @@ def run_clients(stack: Stack, mode: str, work_path: str, clients: int, concurren
             raise RuntimeError(f"client exited with {p.returncode}")
         docs.append(json.loads(out.strip().splitlines()[-1]))
     seconds = time.perf_counter() - start
+    batches = {k: v - batches[k] for k, v in stack.engine_batches().items()}
     stop_profilers(profilers)
     cpu = {role: sum(cpu_seconds(pid) - before[pid] for pid in pids) for role, pids in roles.items()}
     tokens = sum(d["tokens"] for d in docs)
@@ -382,8 +406,15 @@ def run_clients(stack: Stack, mode: str, work_path: str, clients: int, concurren
         "cpu": cpu, "us_per_token": {role: c / tokens * 1e6 for role, c in cpu.items()},
         "digest": None if lists is None else digest(lists),
         "messages": None if lists is None else sum(d["messages"] for d in docs),
-        "lists": lists,
+        "lists": lists, "batch": batches,
     }
+
+
+def mean_batch(batch: dict[str, float]) -> str:
+    """The engine's steps and requests per step over a run (fewer per step: more CPU a
+    token, as each step's fixed cost is shared by fewer)."""
+    steps = batch["steps"]
+    return f"{steps:.0f} steps of {batch['requests'] / steps:.1f} requests" if steps else "no steps"
 
 
 def _engine_kwargs(args: list[str]) -> dict[str, Any]:
@@ -484,7 +515,7 @@ def main() -> int:
             local = run_local(model, work_path, engine_kwargs)
             result["local"] = local
             print(f"  in-process LLM     {local['tok_s']:9.1f} tok/s   CPU/token: "
-                  f"{local['us_per_token']['in-process']:.1f} us", flush=True)
+                  f"{local['us_per_token']['in-process']:.1f} us; {mean_batch(local['batch'])}", flush=True)
         if args.no_stack:
             modes = []
         stack = Stack(model, args.frontends, engine_args, shlex.split(args.serve_args)) if modes else None
@@ -510,6 +541,7 @@ def main() -> int:
                         line += f"  ({total / result['local']['us_per_token']['in-process']:.2f}x in-process)"
                     if run["messages"]:
                         line += f"; {run['tokens'] / run['messages']:.2f} tokens/message"
+                    line += f"; {mean_batch(run['batch'])}"
                     print(line, flush=True)
                     local = result.get("local")
                     if local is not None and run["tokens"] != local["tokens"]:

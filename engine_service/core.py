@@ -501,7 +501,10 @@ class EngineCore(SleepMode, Sessions, RequestValidation, LoRAUtilities):
             )
         done = {r.request_id for r in finished} | {r.request_id for r in ended}
         num_prompt_tokens, num_generation_tokens = self.scheduler.take_token_counts()
-        iteration = IterationStats(num_prompt_tokens, num_generation_tokens, finished + ended)
+        iteration = IterationStats(
+            num_prompt_tokens, num_generation_tokens, finished + ended,
+            num_scheduled_reqs=len(sched.scheduled), num_scheduled_tokens=sched.num_scheduled_tokens,
+        )
         return EngineCoreOutputs(
             engine_index=self.engine_index,
             outputs=outputs,

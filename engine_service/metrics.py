@@ -34,6 +34,11 @@ LONG_LATENCY_BUCKETS = (
 )
 
 
+# Per engine step: requests in the batch and tokens computed (vLLM's iteration-tokens
+# buckets, extended to both ends).
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
 class HitRateWindow:
     """Prefix-cache hit rate over the most recent ``max_lookups`` steps that looked up
     the cache (each such step admitted at least one request)."""
@@ -104,6 +109,14 @@ class EngineMetrics:
             "First scheduled to finish (prefill + decode, preemptions included), per finished request.",
             LONG_LATENCY_BUCKETS,
         )
+        self.iteration_tokens = histogram(
+            "tandem:iteration_tokens_total",
+            "Tokens computed per engine step (prefill chunks and decodes; vLLM's iteration_tokens).",
+            BATCH_BUCKETS,
+        )
+        self.iteration_requests = histogram(
+            "tandem:iteration_requests", "Requests in each engine step's batch.", BATCH_BUCKETS
+        )
         self.hit_rate = HitRateWindow()
         self.deadline_exceeded = counter(
             "tandem:request_deadline_exceeded_total",
@@ -132,6 +145,9 @@ class EngineMetrics:
         iteration = outs.iteration_stats
         if iteration is None:
             return
+        if iteration.num_scheduled_reqs:
+            self.iteration_tokens.observe(iteration.num_scheduled_tokens)
+            self.iteration_requests.observe(iteration.num_scheduled_reqs)
         for request in iteration.finished:
             times = request.times
             for histogram, value in (

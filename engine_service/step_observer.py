@@ -21,6 +21,8 @@ class StepObserver:
         self.scheduler = scheduler
         self.drain_rate = drain_rate
         self.governor = governor
+        # Totals over the engine's life: steps that ran a batch, its requests and tokens.
+        self.steps = self.scheduled_reqs = self.scheduled_tokens = 0
 
     @contextmanager
     def execute(self, sched: SchedulerOutput) -> Iterator[None]:
@@ -30,6 +32,10 @@ class StepObserver:
         yield
         now = time.monotonic()
         scheduler = self.scheduler
+        if sched.scheduled:
+            self.steps += 1
+            self.scheduled_reqs += len(sched.scheduled)
+            self.scheduled_tokens += sched.num_scheduled_tokens
         scheduler.prefill_bound.observe(sched.num_scheduled_tokens, now - start)
         self.drain_rate.observe(now, scheduler.take_num_admitted(), len(scheduler.waiting))
         if self.governor is not None:

@@ -208,9 +208,12 @@ def test_split_cost_runs_every_path_with_the_same_tokens(tiny_llama_dir: str, tm
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
     doc = json.loads(out.read_text())
     assert [r["mode"] for r in doc["runs"]] == ["delta", "final", "http"]
+    assert doc["local"]["batch"]["steps"] > 0
     for run in doc["runs"]:
         assert run["tokens"] == doc["local"]["tokens"] > 0
         assert run["us_per_token"]["frontend"] > 0 and run["us_per_token"]["engine"] > 0
+        # The engine's batches, from its metrics: every step ran at least one request.
+        assert run["batch"]["requests"] >= run["batch"]["steps"] > 0
         if run["mode"] != "http":
             assert run["digest"] == doc["local"]["digest"]
 

@@ -57,10 +57,10 @@ def test_hit_rate_window_forgets_old_lookups() -> None:
     assert window.rate == 0.0
 
 
-def _step(running: int, waiting: int, prompt: int, gen: int, finished=(), **stats: float) -> EngineCoreOutputs:  # type: ignore[no-untyped-def]
+def _step(running: int, waiting: int, prompt: int, gen: int, finished=(), batch=(0, 0), **stats: float) -> EngineCoreOutputs:  # type: ignore[no-untyped-def]
     return EngineCoreOutputs(
         scheduler_stats=SchedulerStats(num_running_reqs=running, num_waiting_reqs=waiting, **stats),  # type: ignore[arg-type]
-        iteration_stats=IterationStats(prompt, gen, list(finished)),
+        iteration_stats=IterationStats(prompt, gen, list(finished), *batch),
     )
 
 
@@ -72,9 +72,11 @@ def test_engine_metrics_record_steps_and_finished_requests() -> None:
     sched.add_request(request)
     while sched.num_unfinished:
         fake_step(sched)
-    metrics.record(_step(2, 1, 12, 2, kv_cache_usage=0.25, prefix_cache_queries=40,
+    metrics.record(_step(2, 1, 12, 2, batch=(2, 13), kv_cache_usage=0.25, prefix_cache_queries=40,
                          prefix_cache_hits=30, num_preemptions=1))
-    metrics.record(_step(1, 0, 0, 1, finished=[request], prefix_cache_queries=10, prefix_cache_hits=0))
+    metrics.record(_step(1, 0, 0, 1, finished=[request], batch=(1, 1), prefix_cache_queries=10,
+                         prefix_cache_hits=0))
+    metrics.record(EngineCoreOutputs(iteration_stats=IterationStats()))  # nothing scheduled: not a batch
     metrics.record(EngineCoreOutputs())  # a utility answer: no stats
 
     def get(name: str) -> float | None:
@@ -87,6 +89,9 @@ def test_engine_metrics_record_steps_and_finished_requests() -> None:
     assert get("tandem:prefix_cache_hits_total") == 30
     assert get("tandem:prefix_cache_hit_rate") == pytest.approx(0.6)
     assert get("tandem:num_preemptions_total") == 1
+    assert (get("tandem:iteration_tokens_total_count"), get("tandem:iteration_tokens_total_sum")) == (2, 14)
+    assert (get("tandem:iteration_requests_count"), get("tandem:iteration_requests_sum")) == (2, 3)
+    assert registry.get_sample_value("tandem:iteration_requests_bucket", {"engine": "3", "le": "1.0"}) == 1
     t = request.times
     for name, expected in (
         ("tandem:request_queue_time_seconds", t.queue_time),

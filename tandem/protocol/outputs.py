@@ -249,6 +249,9 @@ class IterationStats:
     # The requests that finished this step (aborts included): engine_service.request.Request
     # objects the core no longer touches, with their RequestTimes filled in.
     finished: list[Any] = field(default_factory=list)
+    # The step's batch: requests scheduled and tokens computed (prefill chunks + decodes).
+    num_scheduled_reqs: int = 0
+    num_scheduled_tokens: int = 0
 
 
 @dataclass
