@@ -10,8 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine_service.config import ConfigError, EngineConfig
-from engine_service.core import EngineCore, warm_up_shapes
+from engine_service.core import EngineCore
 from engine_service.core_loop import EngineCoreLoop, EngineDead, UtilityCall
+from engine_service.startup import warm_up_shapes
 from tandem.protocol.outputs import EngineCoreOutputs, EngineCoreRequest, FinishReason
 from tandem.protocol.sampling_params import InvalidRequestError, SamplingParams
 
