@@ -17,12 +17,15 @@ measured only while the queue is non-empty (an idle engine has no drain rate).
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
+from typing import Any
 
+from engine_service.request import Request, RequestStatus
 from tandem.drain_rate import DrainRate
-from tandem.protocol.outputs import ErrorCode, RequestError
+from tandem.protocol.outputs import ErrorCode, FinishReason, RequestError
 
-__all__ = ["AdmissionController", "AdmissionLimits", "DrainRate", "RequestRejected"]
+__all__ = ["AdmissionController", "AdmissionLimits", "DeadlineScheduling", "DrainRate", "RequestRejected"]
 
 
 class RequestRejected(Exception):
@@ -115,3 +118,73 @@ class PrefillBound:
             return 0.0
         steps = -(-num_tokens // self.max_num_batched_tokens)
         return max(steps * self.fastest_step, num_tokens / self.peak_rate)
+
+
+class DeadlineScheduling:
+    """Mixed into the Scheduler: requests whose deadline passed end with
+    DEADLINE_EXCEEDED, waiting or running (``expire``), and a waiting request whose
+    fastest possible prefill would end after its deadline is shed before it starts.
+    Needs the scheduler's ``_deadlines`` heap, ``sessions``, ``kv``, ``waiting``,
+    ``prefill_bound``, ``_step_start``, ``_shed``, ``_unqueue`` and ``_finish``."""
+
+    _deadlines: list[tuple[float, int, Request]]
+    _shed: list[Request]
+    _step_start: float
+    sessions: dict[str, Request]
+    kv: Any  # KVCacheManager
+    waiting: Any  # WaitingQueue
+    prefill_bound: PrefillBound
+    _unqueue: Any
+    _finish: Any
+
+    def expire(self, now: float) -> list[Request]:
+        """End every request whose deadline is at or before ``now``, waiting or running,
+        with FinishReason.ERROR and DEADLINE_EXCEEDED; their blocks are free on return."""
+        expired = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, _, request = heapq.heappop(self._deadlines)
+            if request.is_finished:
+                continue
+            if request.status == RequestStatus.IDLE:  # a session between turns ends
+                self.sessions.pop(request.request_id, None)
+                self.kv.free(request)
+                request.status = RequestStatus.FINISHED
+                request.finish_reason = FinishReason.ERROR
+                request.error = RequestError(ErrorCode.DEADLINE_EXCEEDED, "the session's deadline passed")
+                request.times.finished = now
+                expired.append(request)
+                continue
+            where = "running" if request.status == RequestStatus.RUNNING else "waiting"
+            self._unqueue(request)
+            error = RequestError(
+                ErrorCode.DEADLINE_EXCEEDED,
+                f"the request's deadline passed while it was {where} "
+                f"({request.num_output_tokens} tokens generated)",
+            )
+            self._finish(request, FinishReason.ERROR, now=now, error=error)
+            expired.append(request)
+        return expired
+
+    def take_shed(self) -> list[Request]:
+        """Requests ended by the last schedule() because their deadline could not be met."""
+        shed, self._shed = self._shed, []
+        return shed
+
+    def _shed_if_late(self, request: Request, num_tokens: int) -> bool:
+        """End ``request`` (popped from the queue head) if even the fastest prefill of its
+        ``num_tokens`` uncomputed tokens would end after its deadline."""
+        if request.deadline is None:
+            return False
+        left = request.deadline - self._step_start
+        need = self.prefill_bound.seconds(num_tokens)
+        if left >= need:
+            return False
+        self.waiting.pop()
+        error = RequestError(
+            ErrorCode.DEADLINE_EXCEEDED,
+            f"shed before prefill: {max(left, 0.0) * 1000:.0f} ms left to the deadline, "
+            f"a prefill of {num_tokens} tokens takes at least {need * 1000:.0f} ms here",
+        )
+        self._finish(request, FinishReason.ERROR, now=self._step_start, error=error)
+        self._shed.append(request)
+        return True

@@ -9,15 +9,15 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine_service.admission import PrefillBound
+from engine_service.admission import DeadlineScheduling, PrefillBound
 from engine_service.kv_cache.manager import KVCacheManager
 from engine_service.kv_transfer import KvConnector, NoConnector
 from engine_service.kv_transfer.scheduling import KvTransferScheduling
 from engine_service.request import PENDING_TOKEN, Request, RequestStatus
+from engine_service.sessions import SessionScheduling
 from engine_service.structured_output import Advance
 from engine_service.waiting_queue import WaitingQueue
 from tandem.protocol.outputs import ErrorCode, FinishReason, RequestError, SchedulerStats
-from tandem.protocol.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from engine_service.kv_cache.block_pool import KVCacheBlock
@@ -48,7 +48,7 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-class Scheduler(KvTransferScheduling):
+class Scheduler(KvTransferScheduling, SessionScheduling, DeadlineScheduling):
     def __init__(
         self,
         kv_manager: KVCacheManager,
@@ -177,89 +177,6 @@ class Scheduler(KvTransferScheduling):
     @property
     def num_unfinished(self) -> int:
         return len(self.requests)
-
-    # ---- streaming-input sessions ------------------------------------------------
-
-    def _park(self, request: Request, reason: FinishReason, stop_reason: int | None, now: float) -> None:
-        """End a session's turn: blocks and computed tokens stay for the next one."""
-        request.times.finished = now
-        request.status = RequestStatus.IDLE
-        request.finish_reason = reason
-        request.stop_reason = stop_reason
-        del self.requests[request.request_id]
-        self.sessions[request.request_id] = request
-
-    def resume(self, request_id: str, new_token_ids: list[int], params: SamplingParams) -> Request:
-        """Queue an idle session's next turn (its history plus ``new_token_ids``)."""
-        request = self.sessions.pop(request_id)
-        request.resume(new_token_ids, params, time.monotonic())
-        self.requests[request_id] = request
-        self.waiting.add(request)
-        return request
-
-    def _evict_idle_session(self) -> bool:
-        """Free the blocks of the least recently used idle session (its next turn
-        recomputes its history); False when there is none."""
-        if not self.sessions:
-            return False
-        request = min(self.sessions.values(), key=lambda r: r.times.finished or 0.0)
-        self.kv.free(request)
-        request.num_computed_tokens = 0
-        return True
-
-    # ---- deadlines -------------------------------------------------------------
-
-    def expire(self, now: float) -> list[Request]:
-        """End every request whose deadline is at or before ``now``, waiting or running,
-        with FinishReason.ERROR and DEADLINE_EXCEEDED; their blocks are free on return."""
-        expired = []
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, _, request = heapq.heappop(self._deadlines)
-            if request.is_finished:
-                continue
-            if request.status == RequestStatus.IDLE:  # a session between turns ends
-                self.sessions.pop(request.request_id, None)
-                self.kv.free(request)
-                request.status = RequestStatus.FINISHED
-                request.finish_reason = FinishReason.ERROR
-                request.error = RequestError(ErrorCode.DEADLINE_EXCEEDED, "the session's deadline passed")
-                request.times.finished = now
-                expired.append(request)
-                continue
-            where = "running" if request.status == RequestStatus.RUNNING else "waiting"
-            self._unqueue(request)
-            error = RequestError(
-                ErrorCode.DEADLINE_EXCEEDED,
-                f"the request's deadline passed while it was {where} "
-                f"({request.num_output_tokens} tokens generated)",
-            )
-            self._finish(request, FinishReason.ERROR, now=now, error=error)
-            expired.append(request)
-        return expired
-
-    def take_shed(self) -> list[Request]:
-        """Requests ended by the last schedule() because their deadline could not be met."""
-        shed, self._shed = self._shed, []
-        return shed
-
-    def _shed_if_late(self, request: Request, num_tokens: int) -> bool:
-        """End ``request`` (popped from the queue head) if even the fastest prefill of its
-        ``num_tokens`` uncomputed tokens would end after its deadline."""
-        if request.deadline is None:
-            return False
-        left = request.deadline - self._step_start
-        need = self.prefill_bound.seconds(num_tokens)
-        if left >= need:
-            return False
-        self.waiting.pop()
-        error = RequestError(
-            ErrorCode.DEADLINE_EXCEEDED,
-            f"shed before prefill: {max(left, 0.0) * 1000:.0f} ms left to the deadline, "
-            f"a prefill of {num_tokens} tokens takes at least {need * 1000:.0f} ms here",
-        )
-        self._finish(request, FinishReason.ERROR, now=self._step_start, error=error)
-        self._shed.append(request)
-        return True
 
     def abort(self, request_ids: list[str], reason: FinishReason = FinishReason.ABORT) -> None:
         """``finish_requests``, with the ended requests reported by the next outputs."""
