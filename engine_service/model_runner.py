@@ -11,18 +11,17 @@ import numpy as np
 import torch
 
 from engine_service.attention import AttentionMetadata
-from engine_service.config import ConfigError, EngineConfig
+from engine_service.config import EngineConfig
 from engine_service.cuda_graphs import DecodeGraphs
 from engine_service.input_staging import InputStaging
 from engine_service.kv_cache.manager import KVCacheManager
 from engine_service.lora import LoRAManager
+from engine_service.prompt_outputs import PromptOutputs
 from engine_service.request import PENDING_TOKEN, Request
 from engine_service.sampler import (
-    LogprobsTensors,
     Sampler,
     SamplingMetadata,
     argmax_suffices,
-    compute_logprobs_tensors,
     reads_outputs_on_host,
 )
 from engine_service.scheduler import SchedulerOutput
@@ -88,34 +87,7 @@ class InFlight:
         return RunnerOutput(sampled=dict(zip(self.request_ids, self._host.tolist(), strict=True)))
 
 
-def kv_cache_block_bytes(model_config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, K and V."""
-    per_token = 2 * model_config.num_layers * model_config.num_kv_heads * model_config.head_dim
-    return per_token * block_size * torch.tensor([], dtype=dtype).element_size()
-
-
-def allocate_kv_caches(
-    model_config: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    # per layer: K and V, each [num_blocks, block_size, num_kv_heads, head_dim]
-    shape = (num_blocks, block_size, model_config.num_kv_heads, model_config.head_dim)
-    # Zeros, not empty: masked-out slots are still multiplied by 0 in attention. On CPU,
-    # huge pages: once the block pool is fragmented a decode step jumps between blocks
-    # anywhere in the cache (a TLB miss every 4 KiB page otherwise).
-    if device.type == "cpu":
-        from kernels.cpu_ops import zeros_on_huge_pages
-
-        return [
-            (zeros_on_huge_pages(shape, dtype), zeros_on_huge_pages(shape, dtype))
-            for _ in range(model_config.num_layers)
-        ]
-    return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(model_config.num_layers)
-    ]
-
-
-class ModelRunner:
+class ModelRunner(PromptOutputs):
     """Owns the model, its KV cache tensors and the sampler."""
 
     def __init__(
@@ -387,113 +359,6 @@ class ModelRunner:
             self.model_config.vocab_size,
             device,
         )
-
-    def _pool(
-        self, sched: SchedulerOutput, batch: BatchInputs, hidden: torch.Tensor, out: RunnerOutput
-    ) -> None:
-        """Pooling requests: their rows of ``hidden`` ([num_tokens, H]) this step."""
-        qsl = batch.attn.query_start_loc.tolist()
-        for i in batch.pool_idx:
-            entry = sched.scheduled[i]
-            request = entry.request
-            vector = _pool_chunk(request, hidden[qsl[i] : qsl[i + 1]], request.num_computed_tokens, entry.samples)
-            if vector is not None:
-                out.pooled[request.request_id] = vector
-
-    def _prompt_logprobs(
-        self, sched: SchedulerOutput, batch: BatchInputs, all_logits: torch.Tensor | None, out: RunnerOutput
-    ) -> None:
-        """Logprobs of each prompt token given its prefix, gathered chunk by chunk.
-
-        The logit at token index j predicts token j + 1, so a chunk [c, c + n) scores
-        prompt tokens c + 1 .. min(c + n, P - 1).
-        """
-        for i, entry in enumerate(sched.scheduled):
-            request = entry.request
-            if not request.prompt_logprobs_pending:
-                continue
-            num = request.sampling_params.prompt_logprobs or 0
-            start, n = request.num_computed_tokens, entry.num_new_tokens
-            end = min(start + n, request.num_prompt_tokens - 1)
-            if end > start:
-                first, count = batch.prompt_logit_spans[i]
-                logits = all_logits[first : first + count]
-                targets = torch.tensor(
-                    request.prompt_token_ids[start + 1 : end + 1], device=logits.device
-                )
-                request.prompt_logprobs_chunks.append(
-                    compute_logprobs_tensors(torch.log_softmax(logits, dim=-1), num, targets)
-                )
-            if start + n >= request.num_prompt_tokens:
-                out.prompt_logprobs[request.request_id] = _join_logprobs(
-                    request.prompt_logprobs_chunks, num
-                )
-                request.prompt_logprobs_chunks.clear()
-                request.prompt_logprobs_pending = False
-
-
-def _pool_chunk(
-    request: Request, hidden: torch.Tensor, start: int, completes: bool  # hidden: [n, H]
-) -> list[float] | None:
-    """Fold one prefill chunk ``[start, start + n)`` of a pooling request into its state;
-    the finished vector when ``completes`` (the chunk ends the prompt), else None."""
-    params = request.pooling_params
-    if start == 0:  # the prompt's first chunk (also after a preemption restarted it)
-        request.pooling_state = None
-    if params.pooling_type == "MEAN":
-        chunk_sum = hidden.float().sum(dim=0)  # [H]
-        state = request.pooling_state
-        request.pooling_state = chunk_sum if state is None else state + chunk_sum
-    elif params.pooling_type == "CLS" and start == 0:
-        request.pooling_state = hidden[0].float().clone()
-    if not completes:
-        return None
-    if params.pooling_type == "MEAN":
-        vector = request.pooling_state / request.num_prompt_tokens
-    elif params.pooling_type == "CLS":
-        vector = request.pooling_state
-    else:  # LAST
-        vector = hidden[-1].float()
-    if params.dimensions is not None:
-        vector = vector[: params.dimensions]
-    if params.normalize:
-        vector = torch.nn.functional.normalize(vector, dim=0)
-    request.pooling_state = None
-    return vector.tolist()
-
-
-def _join_logprobs(chunks: list[LogprobsTensors], num: int) -> Logprobs:
-    joined = Logprobs(token_ids=[], logprobs=[], ranks=[])
-    for chunk in chunks:
-        part = chunk.to_logprobs(None, num)
-        joined.token_ids.extend(part.token_ids)
-        joined.logprobs.extend(part.logprobs)
-        joined.ranks.extend(part.ranks)
-    return joined
-
-
-def profile_num_gpu_blocks(
-    config: EngineConfig, model: torch.nn.Module, block_bytes: int, run_dummy: object
-) -> int:
-    """On CUDA: blocks that fit in gpu_memory_utilization of the device after a peak forward."""
-    device = config.torch_device
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    run_dummy()  # type: ignore[operator]
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device)
-    total = torch.cuda.get_device_properties(device).total_memory
-    available = int(total * config.gpu_memory_utilization) - peak
-    if available <= 0:
-        raise ConfigError(
-            f"no memory left for the KV cache: the model's peak use is {peak / 2**30:.2f} GiB of "
-            f"{total * config.gpu_memory_utilization / 2**30:.2f} GiB allowed by "
-            f"gpu_memory_utilization={config.gpu_memory_utilization}"
-        )
-    logger.info("CUDA memory: peak %.2f GiB, %.2f GiB for the KV cache", peak / 2**30, available / 2**30)
-    return available // block_bytes
-
-
 
 def _sampler_for(config: EngineConfig) -> Sampler:
     """Where the native CPU kernels are in use, the sampler takes their argmax and

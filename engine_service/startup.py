@@ -19,14 +19,14 @@ from engine_service.attention import AttentionMetadata
 from engine_service.config import ConfigError, EngineConfig
 from engine_service.distributed.worker import load_shard
 from engine_service.kv_cache.manager import KVCacheManager
-from engine_service.kv_transfer import CacheLayout, KvConnector, NoConnector
-from engine_service.lora import LoRAManager
-from engine_service.model_runner import (
-    ModelRunner,
+from engine_service.kv_cache.memory import (
     allocate_kv_caches,
     kv_cache_block_bytes,
     profile_num_gpu_blocks,
 )
+from engine_service.kv_transfer import CacheLayout, KvConnector, NoConnector
+from engine_service.lora import LoRAManager
+from engine_service.model_runner import ModelRunner
 from engine_service.models.loader import load_model
 from engine_service.profiler import Profiler
 from engine_service.scheduler import Scheduler

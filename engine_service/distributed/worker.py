@@ -36,7 +36,7 @@ from engine_service.distributed.parallel_state import (
     device_for_rank,
     place_threads,
 )
-from engine_service.model_runner import allocate_kv_caches
+from engine_service.kv_cache.memory import allocate_kv_caches
 from kernels.dispatch import get_ops
 
 logger = logging.getLogger(__name__)
