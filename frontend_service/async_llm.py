@@ -18,9 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any
 
@@ -32,7 +30,6 @@ from frontend_service.disaggregation import Disaggregation
 from frontend_service.engine_client import (
     EngineConnection,
     EngineUnavailableError,
-    OutputsRound,
 )
 from frontend_service.engine_group import EngineGroup
 from frontend_service.input_processor import InputProcessor, ProcessedRequest
@@ -44,6 +41,7 @@ from frontend_service.output_processor import OutputProcessor
 from frontend_service.outputs import RequestOutput, merge_request_outputs
 from frontend_service.pooling import Pooling
 from frontend_service.sessions import Sessions, as_session_chunks
+from frontend_service.streams import Stream, request_ids
 from frontend_service.utilities import EngineUtilities
 from tandem.protocol.lora import LoRARequest
 from tandem.protocol.outputs import (
@@ -65,37 +63,6 @@ GENERATE_SPAN_NAME = "tandem.v1.Generation/Generate"
 
 # Refusals of a request an engine has not started: another engine may take it.
 _MOVABLE = (ErrorCode.RESOURCE_EXHAUSTED, ErrorCode.UNAVAILABLE)
-
-
-def request_ids(request_id: str | None) -> tuple[str, str]:
-    """(the caller's id, made up when None; the engine-side id). Engine-side ids stay
-    unique even if two clients pick the same request id."""
-    user_id = request_id or uuid.uuid4().hex
-    return user_id, f"{user_id}-{uuid.uuid4().hex[:8]}"
-
-
-@dataclass
-class _Stream:
-    """Where one user request's outputs go, and which engine runs it."""
-
-    queue: asyncio.Queue[RequestOutput | BaseException]
-    engine: EngineConnection
-    engine_request_ids: list[str]
-    finished: bool = False
-    requests: list[EngineCoreRequest] = field(default_factory=list)  # to place again
-    deadline: float | None = None  # time.monotonic() when the caller stops waiting
-    tried: list[EngineConnection] = field(default_factory=list)  # engines it was sent to
-    got_output: bool = False  # an engine produced something for it
-    migrations: int = 0  # times it moved on after losing its engine (migration.py)
-    session: bool = False  # a streaming-input session: bound to its engine, never migrated
-    span: Any = None  # the request's trace span, if traced
-    # The engine messages whose outputs wait in ``queue``: left once written out.
-    rounds: list[OutputsRound] = field(default_factory=list)
-
-    def leave_rounds(self) -> None:
-        for outputs_round in self.rounds:
-            outputs_round.leave()
-        self.rounds.clear()
 
 
 class AsyncLLM(
@@ -126,7 +93,7 @@ class AsyncLLM(
         self.input_processor = input_processor
         self.output_processor = OutputProcessor(tokenizer, stream_interval)
         self.client_index = client_index
-        self.streams: dict[str, _Stream] = {}  # internal request id -> stream
+        self.streams: dict[str, Stream] = {}  # internal request id -> stream
         self._resumed = asyncio.Event()
         self._resumed.set()
         self.model_name = model_name
@@ -262,14 +229,14 @@ class AsyncLLM(
             return
         self._fail(internal_id, stream, RequestFailedError(error))
 
-    def _next_engine(self, stream: _Stream) -> EngineConnection | None:
+    def _next_engine(self, stream: Stream) -> EngineConnection | None:
         try:
             return self.engines.pick(stream.requests[0], exclude=stream.tried)
         except EngineUnavailableError:
             return None
 
     def _send(
-        self, stream: _Stream, engine: EngineConnection, requests: Sequence[EngineCoreRequest] | None = None
+        self, stream: Stream, engine: EngineConnection, requests: Sequence[EngineCoreRequest] | None = None
     ) -> None:
         """Place the stream's engine requests (or ``requests``: continuations of some of
         them) on ``engine``, with the time left."""
@@ -295,20 +262,20 @@ class AsyncLLM(
         if admitted and self.admission is not None:
             self.admission.release()
 
-    def _track(self, internal_id: str, stream: _Stream) -> None:
+    def _track(self, internal_id: str, stream: Stream) -> None:
         """Route the engine outputs of ``stream``'s engine requests to it."""
         self.streams[internal_id] = stream
         for rid in stream.engine_request_ids:
             self._owner[rid] = internal_id
 
-    def _untrack(self, internal_id: str, stream: _Stream) -> None:
+    def _untrack(self, internal_id: str, stream: Stream) -> None:
         self.streams.pop(internal_id, None)
         for rid in stream.engine_request_ids:
             self._owner.pop(rid, None)
             self._moved.discard(rid)
             self._prefilling.pop(rid, None)
 
-    def _fail(self, internal_id: str, stream: _Stream, exc: BaseException) -> None:
+    def _fail(self, internal_id: str, stream: Stream, exc: BaseException) -> None:
         result = self.output_processor.abort_requests([internal_id])
         stream.engine.abort(result.reqs_to_abort or stream.engine_request_ids)
         stream.finished = True
@@ -398,7 +365,7 @@ class AsyncLLM(
                     self._seq_times[req.request_id] = SequenceTimes(arrival, len(req.prompt_token_ids))
             prefill = self._prefill_engine(processed)
             engine = prefill or self.engines.pick(processed.engine_requests[0])
-            stream = _Stream(
+            stream = Stream(
                 asyncio.Queue(), engine, [r.request_id for r in processed.engine_requests],
                 requests=processed.engine_requests,
                 deadline=None if timeout_s is None else arrival + timeout_s,

@@ -5,12 +5,10 @@ from __future__ import annotations
 import asyncio
 import enum
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from frontend_service.engine_client import EngineUnavailableError
-
-if TYPE_CHECKING:
-    from frontend_service.async_llm import _Stream
+from frontend_service.streams import Stream
 
 
 class PauseMode(enum.Enum):
@@ -21,7 +19,7 @@ class PauseMode(enum.Enum):
 class RequestControl:
     """Mixed into AsyncLLM (its streams, output processor, ``_fail`` and ``_resumed``)."""
 
-    streams: dict[str, _Stream]
+    streams: dict[str, Stream]
     output_processor: Any
     _resumed: asyncio.Event
     _fail: Any

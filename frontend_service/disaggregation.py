@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any
 from frontend_service.admission import RequestFailedError
 from frontend_service.errors import EngineUnavailableError
 from frontend_service.migration import continuation
+from frontend_service.streams import Stream
 from tandem.protocol.kv_transfer import KvTransferParams
 from tandem.protocol.outputs import EngineCoreOutput, EngineCoreRequest, FinishReason
 
 if TYPE_CHECKING:
-    from frontend_service.async_llm import _Stream
     from frontend_service.engine_client import EngineConnection
     from frontend_service.input_processor import ProcessedRequest
 
@@ -83,7 +83,7 @@ class Disaggregation:
         except EngineUnavailableError:
             return None
 
-    def _send_prefill(self, stream: _Stream, engine: EngineConnection) -> None:
+    def _send_prefill(self, stream: Stream, engine: EngineConnection) -> None:
         llm: Any = self
         request = stream.requests[0]
         self._prefilling[request.request_id] = engine

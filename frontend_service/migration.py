@@ -38,12 +38,12 @@ from typing import TYPE_CHECKING, Any
 
 from frontend_service.admission import RequestFailedError
 from frontend_service.engine_client import EngineConnection, EngineUnavailableError
+from frontend_service.streams import Stream
 from tandem.protocol.outputs import EngineCoreRequest
 
 if TYPE_CHECKING:
     import argparse
 
-    from frontend_service.async_llm import _Stream
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class Migration:
     _moved: set[str]
     _migration_waits: set[asyncio.Task[None]]  # streams waiting for a serving engine
 
-    def _migrate(self, internal_id: str, stream: _Stream, reason: MigrationReason, why: str) -> bool:
+    def _migrate(self, internal_id: str, stream: Stream, reason: MigrationReason, why: str) -> bool:
         """Continue ``stream`` on another engine, now or (no engine serving) once one
         serves within ``wait_s``; False when it cannot (migration off, the request's limit
         reached, a session, nothing to continue): the caller fails it."""
@@ -111,7 +111,7 @@ class Migration:
         return self._move(internal_id, stream, target, reason, why)
 
     async def _wait_and_move(
-        self, internal_id: str, stream: _Stream, reason: MigrationReason, why: str, unavailable: str
+        self, internal_id: str, stream: Stream, reason: MigrationReason, why: str, unavailable: str
     ) -> None:
         """Poll for a serving engine for ``wait_s`` (and within the deadline); fail the
         stream UNAVAILABLE if none comes, stop if the caller went away."""
@@ -136,7 +136,7 @@ class Migration:
             return
 
     def _move(
-        self, internal_id: str, stream: _Stream, target: EngineConnection, reason: MigrationReason, why: str
+        self, internal_id: str, stream: Stream, target: EngineConnection, reason: MigrationReason, why: str
     ) -> bool:
         """Send ``stream``'s unfinished requests to ``target`` as continuations."""
         llm: Any = self

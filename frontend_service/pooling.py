@@ -10,20 +10,18 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from frontend_service.outputs import PoolingOutput, PoolingRequestOutput
+from frontend_service.streams import Stream, request_ids
 from tandem.protocol.outputs import EngineCoreOutput
 from tandem.protocol.pooling_params import PoolingParams
-
-if TYPE_CHECKING:
-    from frontend_service.async_llm import _Stream
 
 
 class Pooling:
     """Mixed into AsyncLLM (which provides the streams, engines and admission)."""
 
-    streams: dict[str, _Stream]
+    streams: dict[str, Stream]
     _owner: dict[str, str]
     _num_pooling: int
 
@@ -58,10 +56,6 @@ class Pooling:
     ) -> AsyncIterator[PoolingRequestOutput]:
         """Yield the one output of a pooling request (its ``request_id`` is the caller's).
         Failures raise as in ``generate``."""
-        from frontend_service.async_llm import (  # (async_llm imports this module)
-            _Stream,
-            request_ids,
-        )
 
         llm: Any = self
         arrival = time.monotonic()
@@ -76,7 +70,7 @@ class Pooling:
                 add_special_tokens=add_special_tokens,
             )
             engine = llm.engines.pick(request)
-            stream = _Stream(
+            stream = Stream(
                 asyncio.Queue(), engine, [internal_id], requests=[request],
                 deadline=None if timeout_s is None else arrival + timeout_s,
             )

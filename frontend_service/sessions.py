@@ -16,13 +16,11 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from frontend_service.outputs import RequestOutput
+from frontend_service.streams import Stream, request_ids
 from tandem.protocol.sampling_params import InvalidRequestError, RequestOutputKind, SamplingParams
-
-if TYPE_CHECKING:
-    from frontend_service.async_llm import _Stream
 
 
 @dataclass
@@ -78,16 +76,12 @@ class Sessions:
         timeout_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield each turn's outputs (the last of a turn has ``finished`` set)."""
-        from frontend_service.async_llm import (  # (async_llm imports this module)
-            _Stream,
-            request_ids,
-        )
 
         llm: Any = self
         user_id, internal_id = request_ids(request_id)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         params = SamplingParams(output_kind=RequestOutputKind.DELTA)
-        stream: _Stream | None = None
+        stream: Stream | None = None
         admitted = False
         try:
             admitted = llm._admit()
@@ -105,7 +99,7 @@ class Sessions:
                 request = dataclasses.replace(processed.engine_requests[0], resumable=True)
                 processed.engine_requests[0] = request
                 if stream is None:
-                    stream = _Stream(asyncio.Queue(), llm.engines.pick(request), [request.request_id],
+                    stream = Stream(asyncio.Queue(), llm.engines.pick(request), [request.request_id],
                                      requests=[request], deadline=deadline, session=True)
                     llm._track(internal_id, stream)
                     stream.tried.append(stream.engine)
