@@ -88,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=256)
     p.add_argument("--triton-gemv", action="store_true",
                    help="linears of 1-8 rows on Tandem's Triton GEMV instead of cuBLAS (EngineConfig.triton_gemv)")
+    p.add_argument("--triton-split-kv", action="store_true",
+                   help="small decode batches' attention split over the context (EngineConfig.triton_split_kv)")
     p.add_argument("--json", default="")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -106,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     core = EngineCore(EngineConfig(
         model=model, device="cuda", dtype=args.dtype, max_num_seqs=1,
         max_model_len=args.prompt_len + args.steps + 128, gpu_memory_utilization=0.5,
-        triton_gemv=args.triton_gemv,
+        triton_gemv=args.triton_gemv, triton_split_kv=args.triton_split_kv,
     ))
     load_s = time.perf_counter() - t
     # tied embeddings appear twice in a state dict; count each storage once
@@ -166,14 +168,16 @@ def main(argv: list[str] | None = None) -> int:
         kernels = []
     result = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": model,
-        "triton_gemv": args.triton_gemv,
+        "triton_gemv": args.triton_gemv, "triton_split_kv": args.triton_split_kv,
         "weights_gb": weights / 1e9, "copy_tb_s": rate / 1e12, "load_s": load_s,
         "step_ms": step_ms, "tok_s": 1e3 / step_ms, "roofline_ms": roof_ms,
         "of_roofline": roof_ms / step_ms, "graph_ms": graph_ms, "lm_head_ms": head_ms,
         "host_ms": step_ms - graph_ms - head_ms, "async_step_ms": async_ms,
         "async_of_roofline": roof_ms / async_ms, "kernels": kernels,
     }
-    print(f"{result['gpu']} (linears of 1-8 rows: {'Triton GEMV' if args.triton_gemv else 'cuBLAS'}): weights {weights / 1e9:.2f} GB, copy {rate / 1e12:.2f} TB/s -> roofline "
+    kernels_used = (f"linears of 1-8 rows: {'Triton GEMV' if args.triton_gemv else 'cuBLAS'}; decode attention: "
+                    f"{'split-KV' if args.triton_split_kv else 'one program per sequence and KV head'}")
+    print(f"{result['gpu']} ({kernels_used}): weights {weights / 1e9:.2f} GB, copy {rate / 1e12:.2f} TB/s -> roofline "
           f"{roof_ms:.3f} ms/token; engine loaded in {load_s:.1f} s")
     print(f"batch-1 decode {step_ms:.3f} ms/token ({1e3 / step_ms:.0f} tok/s) = {roof_ms / step_ms:.0%} of the "
           f"roofline; graph replay {graph_ms:.3f} ms, LM head + argmax {head_ms:.3f} ms, "

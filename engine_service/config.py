@@ -115,6 +115,15 @@ class EngineConfig:
             "(benchmarks.gpu_decode --triton-gemv)."
         },
     )
+    triton_split_kv: bool = field(
+        default=False,
+        metadata={
+            "help": "CUDA with the triton backend: decode batches of a few sequences split each "
+            "context's attention over more programs and merge the parts (flash-decoding), "
+            "instead of one program per sequence and KV head. Off until a GPU run shows it "
+            "faster (benchmarks.gpu_decode --triton-split-kv)."
+        },
+    )
     linear_backend: Literal["auto", "torch", "onednn", "panel"] = field(
         default="auto",
         metadata={

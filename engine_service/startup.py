@@ -55,7 +55,7 @@ class EngineStartUp:
         config = self.config
         engine_index = self.engine_index
         start = time.perf_counter()
-        ops = get_ops(config.resolved_attention_backend, config.triton_gemv)
+        ops = get_ops(config.resolved_attention_backend, config.triton_gemv, config.triton_split_kv)
         self._ops = ops
         with _phase(tracer, "load_model") as span:
             self.model, self.model_config = self._load_model()

@@ -7,6 +7,7 @@ asked for, so the CPU path never imports it.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -31,10 +32,11 @@ class KernelOps:
     small_rows_max: int = 0
 
 
-def get_ops(backend: str, gemv: bool = False) -> KernelOps:
+def get_ops(backend: str, gemv: bool = False, split_kv: bool = False) -> KernelOps:
     """Return the ops of ``backend``: "torch" (PyTorch reference), "cpu" (reference plus
     the native in-place decode attention, built on first use) or "triton" (``gemv``: with
-    the GEMV for linears of a few rows)."""
+    the GEMV for linears of a few rows; ``split_kv``: small decode batches' attention
+    split over the context)."""
     mod: Any
     if backend == "torch":
         from kernels import reference as mod
@@ -50,7 +52,10 @@ def get_ops(backend: str, gemv: bool = False) -> KernelOps:
     return KernelOps(
         name=backend,
         reshape_and_cache=mod.reshape_and_cache,
-        paged_attention=mod.paged_attention,
+        paged_attention=(
+            functools.partial(mod.paged_attention, split_kv=True)
+            if split_kv and backend == "triton" else mod.paged_attention
+        ),
         rms_norm=mod.rms_norm,
         rotary_embedding=mod.rotary_embedding,
         # Fused on Triton; elsewhere the backend's own two ops, one after the other.

@@ -51,10 +51,11 @@ PARTS=" ${GPU_CHECK_PARTS:-decode split tests} "
 # without and with async scheduling, and the GPU time of each kernel of a step.
 if [[ "$PARTS" == *" decode "* ]]; then
 python3 -m benchmarks.gpu_decode --json "$OUT/decode.json" 2>&1 | grep -v '^\[engine' | tee "$OUT/decode.txt" || true
-# The same with the Triton GEMV for the linears of 1-8 rows (kernels/triton_linear.py, opt-in
-# until this shows it beating cuBLAS): compare step_ms and the kernel tables.
-python3 -m benchmarks.gpu_decode --triton-gemv --json "$OUT/decode-gemv.json" 2>&1 \
-    | grep -v '^\[engine' | tee "$OUT/decode-gemv.txt" || true
+# The same with the opt-in kernels, untimed until this run: the Triton GEMV for the linears of
+# 1-8 rows (kernels/triton_linear.py) and split-KV decode attention. Compare step_ms, and in
+# the kernel tables gemv_kernel against nvjet and split_kv_* against paged_attention_kernel.
+python3 -m benchmarks.gpu_decode --triton-gemv --triton-split-kv --json "$OUT/decode-new.json" 2>&1 \
+    | grep -v '^\[engine' | tee "$OUT/decode-new.txt" || true
 echo "after decode: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
 fi
 
@@ -77,7 +78,7 @@ fi
 if [[ "$PARTS" == *" tests "* ]]; then
 python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_graphs.py tests/test_engine_parity.py \
     tests/test_kernels.py tests/test_triton_linear.py \
-    -k "test_cuda_graphs or (cuda and (test_engine_parity or silu or rotary_and_cache or attention or gemv))" \
+    -k "test_cuda_graphs or (cuda and (test_engine_parity or silu or rotary_and_cache or attention or split_kv or gemv))" \
     2>&1 | tail -5 | tee "$OUT/tests.txt"
 echo "after tests: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
 fi

@@ -94,8 +94,9 @@ if torch.cuda.is_available():
         num_gpu_blocks_override=1024,
     )
     SETUPS["cuda-float32-async"] = {**SETUPS["cuda-float32"], "async_scheduling": True}
-    # The Triton GEMV for linears of 1-8 rows (opt-in; decode batches here are small).
-    SETUPS["cuda-float32-gemv"] = {**SETUPS["cuda-float32"], "triton_gemv": True}
+    # The opt-in kernels: the Triton GEMV for linears of 1-8 rows and split-KV decode
+    # attention (decode batches here are small: both run).
+    SETUPS["cuda-float32-gemv-split-kv"] = {**SETUPS["cuda-float32"], "triton_gemv": True, "triton_split_kv": True}
 
 
 @pytest.fixture(scope="module", params=ARCHS)

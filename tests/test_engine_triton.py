@@ -27,10 +27,10 @@ CHILD = textwrap.dedent(
     from tandem.protocol.outputs import EngineCoreRequest
     from tandem.protocol.sampling_params import SamplingParams
 
-    model_dir = sys.argv[1]
+    model_dir, extra = sys.argv[1], json.loads(sys.argv[2])
     rng = random.Random(7)
     core = EngineCore(EngineConfig(model=model_dir, attention_backend="triton", max_model_len=256,
-                                   num_gpu_blocks_override=64, max_num_batched_tokens=32))
+                                   num_gpu_blocks_override=64, max_num_batched_tokens=32, **extra))
     assert core.runner.model is core.model
     vocab = core.model_config.vocab_size
     prompts = [[rng.randrange(5, vocab) for _ in range(n)] for n in (1, 17, 40, 70)]
@@ -57,10 +57,18 @@ CHILD = textwrap.dedent(
 
 
 @pytest.mark.timeout(600)
-def test_triton_backend_matches_hf(tiny_llama_dir: str) -> None:
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"triton_gemv": True, "triton_split_kv": True, "linear_backend": "torch"}],
+    ids=["default", "gemv-split-kv"],
+)
+def test_triton_backend_matches_hf(tiny_llama_dir: str, extra: dict[str, bool]) -> None:
+    """Greedy parity with HF, with the default kernels and with the opt-in ones: the
+    GEMV for the decode steps' linears (over dense weights, as on CUDA: the CPU's
+    default packs them) and split-KV decode attention."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD, tiny_llama_dir],
+        [sys.executable, "-c", CHILD, tiny_llama_dir, json.dumps(extra)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=580,
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("@@")]

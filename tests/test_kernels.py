@@ -345,6 +345,126 @@ def case_paged_attention_public_api(seed: int) -> float:
     return _check_close(out, expected, "float16", f"public paged_attention seed={seed}")
 
 
+def _split_kv_empty_segments(
+    batch: dict[str, torch.Tensor], num_splits: int, tile_n: int
+) -> torch.Tensor:
+    """[num_tokens, num_splits] bool: which key segments of each token are empty, by the
+    split kernel's rule (a token sees ``visible`` keys, up to its own position, cut into
+    segments of cdiv(visible, num_splits) keys rounded up to tile_n)."""
+    def cdiv(a: int, b: int) -> int:
+        return -(-a // b)
+
+    starts = batch["query_start_loc"].tolist()
+    empty = torch.zeros(starts[-1], num_splits, dtype=torch.bool)
+    for s, seq_len in enumerate(batch["seq_lens"].tolist()):
+        q_len = starts[s + 1] - starts[s]
+        for t in range(q_len):
+            visible = seq_len - q_len + t + 1  # keys 0..position
+            chunk = cdiv(cdiv(visible, num_splits), tile_n) * tile_n
+            for j in range(num_splits):
+                empty[starts[s] + t, j] = j * chunk >= visible
+    return empty
+
+
+def case_split_kv_attention(
+    seed: int,
+    dtype: str,
+    head_dim: int,
+    block_size: int,
+    group: int,
+    num_kv_heads: int,
+    seq_lens: list[int],
+    query_lens: list[int] | None = None,
+    num_splits: int | None = None,
+    tile_n: int | None = None,
+) -> dict[str, Any]:
+    """The split-KV path, planned directly (whatever the rule says), against the
+    reference. Partials and out are NaN-filled views with guards, so an unwritten
+    partial or an out-of-bounds write shows; empty segments must hold max -inf, denom 0
+    and acc 0."""
+    from kernels import triton_ops
+
+    gen = torch.Generator().manual_seed(seed)
+    what = f"split-KV attention seed={seed}"
+    query_lens = query_lens if query_lens is not None else [1] * len(seq_lens)
+    prefix_lens = [n - q for n, q in zip(seq_lens, query_lens)]
+    num_heads = group * num_kv_heads
+    batch = _paged_batch(
+        gen, _DTYPES[dtype], num_heads, num_kv_heads, head_dim, block_size, query_lens, prefix_lens
+    )
+    num_tokens = batch["query"].shape[0]
+    if num_splits is None:
+        num_splits = triton_ops.split_kv_splits(
+            len(seq_lens), num_kv_heads, triton_ops._num_sms(_device())
+        )
+    shape = (num_tokens, num_heads, num_splits)
+    nan = float("nan")
+    acc = Guarded((*shape, head_dim), torch.full((*shape, head_dim), nan), gen)
+    row_max = Guarded(shape, torch.full(shape, nan), gen)
+    denom = Guarded(shape, torch.full(shape, nan), gen)
+    partials = triton_ops.SplitKVPartials(acc=acc.view, row_max=row_max.view, denom=denom.view)
+    scale = head_dim**-0.5
+    out = Guarded(batch["query"].shape, torch.full_like(batch["query"], nan), gen)
+    launch = triton_ops.plan_split_kv_attention(
+        **_on_device(batch), scale=scale, out=out.view, num_splits=num_splits,
+        partials=partials, tile_n=tile_n, interpret=_interpreting(),
+    )  # fmt: skip
+    assert launch.split.grid == (num_tokens, num_kv_heads, num_splits), launch.split.grid
+    assert launch.reduce.grid == (num_tokens, num_heads), launch.reduce.grid
+    launch.run()
+    for guarded, name in ((out, "out"), (acc, "acc"), (row_max, "row_max"), (denom, "denom")):
+        guarded.check_guards(f"{what}: {name}")
+    m, d, a = row_max.view.cpu(), denom.view.cpu(), acc.view.cpu()
+    assert not (m.isnan().any() or d.isnan().any() or a.isnan().any()), f"{what}: unwritten partials"
+    empty = _split_kv_empty_segments(batch, num_splits, launch.split.constexprs["TILE_N"])
+    empty = empty[:, None, :].expand(shape)  # [num_tokens, num_heads, num_splits]
+    assert bool((m[empty] == float("-inf")).all() and (d[empty] == 0).all()), f"{what}: empty split"
+    assert bool((a[empty] == 0).all()), f"{what}: empty split's acc"
+    # The top-scoring key of a segment adds exp2(0) = 1 to its denominator.
+    assert bool(m[~empty].isfinite().all() and (d[~empty] >= 1).all()), f"{what}: non-empty split"
+    expected = _reference_attention_per_seq(batch, scale)
+    error = _check_close(out.view, expected, dtype, what)
+    return {"error": error, "num_splits": num_splits, "empty": int(empty[:, 0, :].sum())}
+
+
+def case_split_kv_rule(seed: int) -> dict[str, Any]:
+    """Which path the public op takes with ``split_kv=True``: the split path for a
+    batch-1 decode (two launches, the step's partials kept in ``workspace`` and shared by
+    a second "layer"), the unified kernel for a batch with a prefill chunk, and for the
+    batch-1 decode without ``split_kv``; all against the reference."""
+    from kernels import triton_ops
+
+    gen = torch.Generator().manual_seed(seed)
+    taken: dict[str, Any] = {}
+    for name, query_lens, prefix_lens, split_kv in (
+        ("batch1_decode", [1], [300], True),
+        ("mixed_prefill", [1, 17], [40, 3], True),
+        ("batch1_decode_unsplit", [1], [300], False),
+    ):
+        workspace: dict[str, Any] = {}
+        triton_ops._PLANS._plans.clear()
+        for layer in range(2):  # two layers of one step: new caches, one workspace
+            batch = _paged_batch(gen, torch.float16, 32, 8, 64, 16, query_lens, prefix_lens)
+            device_batch = _on_device(batch)
+            got = triton_ops.paged_attention(**device_batch, scale=0.125, workspace=workspace, split_kv=split_kv)
+            expected = _reference_attention_per_seq(batch, 0.125)
+            _check_close(got, expected, "float16", f"{name} layer {layer}, seed={seed}")
+            partials = workspace.get("triton_split_kv_partials", {})
+            if layer == 0:
+                first = {key: id(p) for key, p in partials.items()}
+            assert {key: id(p) for key, p in partials.items()} == first, "partials not reused"
+        taken[name] = {
+            "plans": sorted(key[0] for key in triton_ops._PLANS._plans),
+            "num_splits": triton_ops.attention_num_splits(
+                device_batch["query"], device_batch["key_cache"], device_batch["seq_lens"], split_kv
+            ),
+            "partials": len(first),
+        }
+    # What the rule gives batch 1 x 8 KV heads on this device (32 on 132 SMs).
+    taken["expected_splits"] = triton_ops.split_kv_splits(1, 8, triton_ops._num_sms(_device()))
+    return taken
+
+
 def case_reshape_and_cache(
     seed: int,
     dtype: str,
@@ -628,6 +748,15 @@ def case_rejects_bad_input(op: str) -> str:
         "query_start_loc_len": lambda: triton_ops.paged_attention(
             torch.randn(1, 4, 64).to(f16), cache, cache, table, qsl[:1], lens, 0.1
         ),
+        "split_kv_num_splits": lambda: triton_ops.plan_split_kv_attention(
+            torch.randn(1, 4, 64).to(f16), cache, cache, table, qsl, lens, 0.1,
+            torch.empty(1, 4, 64).to(f16), num_splits=3,
+        ),
+        "split_kv_partials": lambda: triton_ops.plan_split_kv_attention(
+            torch.randn(1, 4, 64).to(f16), cache, cache, table, qsl, lens, 0.1,
+            torch.empty(1, 4, 64).to(f16), num_splits=4,
+            partials=triton_ops.SplitKVPartials.empty(1, 4, 2, 64, torch.device("cpu")),
+        ),
         "slot_mapping_len": lambda: triton_ops.reshape_and_cache(
             torch.randn(3, 2, 64).to(f16),
             torch.randn(3, 2, 64).to(f16),
@@ -709,6 +838,18 @@ def _plan_for_compile(kernel: str, cfg: dict[str, Any]) -> Any:
         return triton_ops.plan_paged_attention(
             query, cache, cache, table, qsl, lens, 0.1, torch.empty_like(query)
         )
+    if kernel in ("split_kv_attention", "split_kv_reduce"):
+        kvh, group, hd, seqs = cfg["num_kv_heads"], cfg["group"], cfg["head_dim"], cfg["num_seqs"]
+        cache = torch.empty(64, cfg["block_size"], kvh, hd, dtype=dtype)
+        query = torch.empty(seqs, kvh * group, hd, dtype=dtype)  # one token per sequence
+        qsl = torch.arange(seqs + 1, dtype=torch.int32)
+        lens = torch.full((seqs,), 100, dtype=torch.int32)
+        table = torch.zeros(seqs, 8, dtype=torch.int32)
+        # num_splits as paged_attention picks it for 132 SMs (these tensors are on CPU).
+        split = triton_ops.plan_split_kv_attention(
+            query, cache, cache, table, qsl, lens, 0.1, torch.empty_like(query)
+        )
+        return split.split if kernel == "split_kv_attention" else split.reduce
     if kernel == "reshape_and_cache":
         key = torch.empty(8, cfg["num_kv_heads"], cfg["head_dim"], dtype=dtype)
         shape = (16, 16, cfg["num_kv_heads"], cfg["head_dim"])
@@ -886,6 +1027,147 @@ def test_paged_attention_public_api(numerics: KernelWorker) -> None:
     numerics.call("paged_attention_public_api", seed=_fresh_seed())
 
 
+# Decode batches for the split-KV path: context 1, one shorter than a key tile, one just
+# past a block boundary, two longer ones that are no multiple of the tile. With the automatic
+# split count (16 or 32 for these grids) most segments are empty.
+_SPLIT_KV_SEQ_LENS = [1, 5, 33, 70, 200]
+
+# (dtype, head_dim, block_size, group, num_kv_heads): every dtype meets head dims 64, 128
+# and 80 and GQA groups 1, 4 and 8; both block sizes.
+_SPLIT_KV_CONFIGS = [
+    ("float16", 64, 16, 4, 2),
+    ("float16", 128, 32, 8, 1),
+    ("float16", 80, 16, 1, 2),
+    ("bfloat16", 64, 32, 1, 2),
+    ("bfloat16", 128, 16, 4, 1),
+    ("bfloat16", 80, 32, 8, 1),
+    ("float32", 64, 16, 8, 1),
+    ("float32", 128, 32, 1, 2),
+    ("float32", 80, 16, 4, 2),
+]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_dim", "block_size", "group", "num_kv_heads"), _SPLIT_KV_CONFIGS
+)
+def test_split_kv_attention_decode(
+    numerics: KernelWorker,
+    dtype: str,
+    head_dim: int,
+    block_size: int,
+    group: int,
+    num_kv_heads: int,
+) -> None:
+    report = numerics.call(
+        "split_kv_attention",
+        seed=_fresh_seed(),
+        dtype=dtype,
+        head_dim=head_dim,
+        block_size=block_size,
+        group=group,
+        num_kv_heads=num_kv_heads,
+        seq_lens=_SPLIT_KV_SEQ_LENS,
+    )
+    # 5 or 10 programs unsplit: 32 or 16 splits (132 SMs; on a GPU, its SM count).
+    assert report["num_splits"] >= 16 and report["empty"] > 0, report
+
+
+@pytest.mark.parametrize(("num_splits", "tile_n"), [(1, 32), (2, 16), (8, 16), (64, 16)])
+def test_split_kv_attention_split_counts(
+    numerics: KernelWorker, num_splits: int, tile_n: int
+) -> None:
+    """Forced split counts from 1 to 64 with 16-key tiles, so that segments hold several
+    tiles (and, at 64 splits, the 100-token context leaves most of them empty)."""
+    report = numerics.call(
+        "split_kv_attention",
+        seed=_fresh_seed(),
+        dtype="float16",
+        head_dim=64,
+        block_size=16,
+        group=4,
+        num_kv_heads=2,
+        seq_lens=[1, 17, 100, 301],
+        num_splits=num_splits,
+        tile_n=tile_n,
+    )
+    assert report["num_splits"] == num_splits, report
+
+
+def test_split_kv_attention_long_beside_short(numerics: KernelWorker) -> None:
+    """A ~4k-token decode beside a 3-token one: 32 splits of 128 keys, every one of them
+    in use for the long context (the last holds 123), one for the short; fp32 so the
+    tolerance is tight enough that one key too many or too few (1/4091) would show."""
+    report = numerics.call(
+        "split_kv_attention",
+        seed=_fresh_seed(),
+        dtype="float32",
+        head_dim=64,
+        block_size=32,
+        group=4,
+        num_kv_heads=1,
+        seq_lens=[4091, 3],
+    )
+    assert report["num_splits"] == 32 and report["empty"] == 31, report
+
+
+def test_split_kv_attention_uneven_token_counts(numerics: KernelWorker) -> None:
+    """num_tokens == num_seqs without one token each (a 3-token chunk, two sequences with
+    none): tokens find their sequence by search, each with its own causal limit."""
+    numerics.call(
+        "split_kv_attention",
+        seed=_fresh_seed(),
+        dtype="float32",
+        head_dim=64,
+        block_size=16,
+        group=2,
+        num_kv_heads=2,
+        seq_lens=[13, 5, 0, 41],
+        query_lens=[3, 0, 0, 1],
+        num_splits=4,
+        tile_n=16,
+    )
+
+
+def test_split_kv_rule_picks_the_path(numerics: KernelWorker) -> None:
+    """paged_attention(split_kv=True) splits a batch-1 decode (Llama-3.2-1B's 32 / 8
+    heads: 32 splits) and keeps the unified kernel for a batch with a prefill chunk;
+    without split_kv, the unified kernel throughout."""
+    taken = numerics.call("split_kv_rule", seed=_fresh_seed())
+    assert taken["expected_splits"] >= 16, taken  # 32 on an H100 / H200 or the interpreter
+    assert taken["batch1_decode"] == {
+        "plans": ["paged_attention_reduce", "paged_attention_split"],
+        "num_splits": taken["expected_splits"],
+        "partials": 1,
+    }, taken
+    unified = {"plans": ["paged_attention"], "num_splits": 0, "partials": 0}
+    assert taken["mixed_prefill"] == unified, taken
+    assert taken["batch1_decode_unsplit"] == unified, taken  # split_kv is opt-in
+
+
+def test_split_kv_rule() -> None:
+    """The rule on its own (pure Python: this process never imports triton, so the
+    worker-free check goes through a child)."""
+    code = (
+        "from kernels import triton_ops as t\n"
+        "sms = 132\n"
+        "assert t.use_split_kv(1, 1, 8, sms) and t.split_kv_splits(1, 8, sms) == 32\n"
+        "assert t.use_split_kv(8, 8, 8, sms) and t.split_kv_splits(8, 8, sms) == 4\n"
+        "assert t.use_split_kv(33, 33, 2, sms) and t.split_kv_splits(33, 2, sms) == 4\n"
+        "assert not t.use_split_kv(9, 9, 8, sms)  # 72 programs: over half the SMs\n"
+        "assert not t.use_split_kv(18, 2, 8, sms)  # a prefill chunk\n"
+        "assert not t.use_split_kv(0, 1, 8, sms)\n"
+        "assert t.split_kv_splits(1, 1, sms) == 32 and t.split_kv_splits(64, 64, sms) == 2\n"
+        "assert [t.split_kv_splits(b, 8, sms) for b in (1, 2, 3, 4, 5)] == [32, 16, 8, 8, 4]\n"
+        "from kernels.dispatch import get_ops\n"
+        "assert get_ops('triton', split_kv=True).paged_attention.keywords == {'split_kv': True}\n"
+        "assert get_ops('triton').paged_attention is t.paged_attention\n"
+    )
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    result = _run_python(["-c", code], env=env)
+    assert result.returncode == 0, result.stderr
+
+
 @pytest.mark.parametrize(
     ("dtype", "cache_dtype", "num_kv_heads", "head_dim", "block_size"),
     [
@@ -1059,6 +1341,8 @@ def test_rotary_and_cache(
         "gqa_ratio",
         "dtype_mismatch",
         "query_start_loc_len",
+        "split_kv_num_splits",
+        "split_kv_partials",
         "slot_mapping_len",
         "rms_weight",
         "rotary_width",
@@ -1175,6 +1459,27 @@ _COMPILE_CONFIGS: list[tuple[str, dict[str, Any]]] = [
             ("bfloat16", 64, 16, 1, 40, 1),
             ("float32", 128, 16, 4, 40, 2),
             ("float16", 80, 16, 3, 40, 2),
+        ]
+    ],
+    *[
+        (
+            kernel,
+            {
+                "dtype": d,
+                "head_dim": hd,
+                "block_size": bs,
+                "group": g,
+                "num_kv_heads": kvh,
+                "num_seqs": n,
+            },
+        )
+        for kernel in ("split_kv_attention", "split_kv_reduce")
+        for d, hd, bs, g, kvh, n in [
+            ("bfloat16", 64, 16, 4, 8, 1),  # Llama-3.2-1B at batch 1: 32 splits
+            ("float16", 128, 16, 4, 8, 4),  # Llama-3-8B at batch 4: 8 splits
+            ("float16", 128, 32, 8, 1, 1),
+            ("float32", 128, 16, 4, 2, 1),
+            ("bfloat16", 80, 16, 3, 2, 2),
         ]
     ],
     (

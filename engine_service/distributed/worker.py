@@ -56,7 +56,7 @@ def load_shard(config: EngineConfig, comm: Communicator, device: torch.device) -
     """This rank's shard, packed as the engine's linear layout says (rank 0 and the
     workers load the same way)."""
     model, _ = load_sharded_model(
-        config.model, config.torch_dtype, device, get_ops(config.resolved_attention_backend, config.triton_gemv), comm
+        config.model, config.torch_dtype, device, get_ops(config.resolved_attention_backend, config.triton_gemv, config.triton_split_kv), comm
     )
     if config.linear_layout != "torch":
         model.pack_linears(config.linear_layout)
