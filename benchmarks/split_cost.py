@@ -33,6 +33,7 @@ import json
 import os
 import random
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -484,6 +485,8 @@ def main() -> int:
 
     from tandem.protocol.model_config import ModelConfig
 
+    if args.profile and shutil.which("py-spy") is None:
+        ap.error("--profile needs py-spy on PATH (pip install py-spy)")
     if args.smoke:
         args.num_requests, args.concurrency, args.output_range = 16, 8, "8,16"
     model = args.model
