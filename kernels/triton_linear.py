@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_ops import (
+from kernels.triton_launch import (
     _FLOAT_DTYPES,
     _PLANS,
     KernelLaunch,
