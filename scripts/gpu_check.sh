@@ -79,7 +79,7 @@ fi
 if [[ "$PARTS" == *" tests "* ]]; then
 python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda_graphs.py tests/test_engine_parity.py \
     tests/test_kernels.py tests/test_triton_linear.py \
-    -k "test_cuda_graphs or (cuda and (test_engine_parity or silu or rotary_and_cache or attention or split_kv or gemv))" \
+    -k "test_cuda_graphs or (cuda and (test_engine_parity or silu or rotary_and_cache or split_kv or gemv))" \
     2>&1 | tail -5 | tee "$OUT/tests.txt"
 echo "after tests: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
 fi
