@@ -63,14 +63,16 @@ def gemv_kernel(
     cols = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm  # [ROWS, 1]
-    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    # Products accumulate elementwise, [ROWS, BLOCK_N, BLOCK_K], and are summed over k
+    # once after the loop: no cross-lane reduction per step of a bandwidth-bound loop.
+    partial = tl.zeros([ROWS, BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + cols
         k_valid = k < K
         w = tl.load(w_rows + k[None, :], mask=n_valid[:, None] & k_valid[None, :], other=0.0)
         x = tl.load(x_rows + k[None, :], mask=m_valid[:, None] & k_valid[None, :], other=0.0)
-        # [ROWS, 1, BLOCK_K] * [1, BLOCK_N, BLOCK_K] summed over k: [ROWS, BLOCK_N]
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        partial += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    acc = tl.sum(partial, axis=2)  # [ROWS, BLOCK_N]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=n_valid, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + m.to(tl.int64)[:, None] * stride_om + n[None, :]
