@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -168,6 +168,50 @@ def _check_attention_out(query: torch.Tensor, out: torch.Tensor) -> None:
     _require_unit_last_stride(out, "out")
 
 
+class _AttentionShapes(NamedTuple):
+    num_tokens: int
+    num_heads: int
+    head_dim: int
+    num_kv_heads: int
+    num_seqs: int
+    group: int  # query heads per KV head
+    compute_f32: bool  # float32 dots: float32 inputs, or bfloat16 under the interpreter
+
+
+def _checked_shapes(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+    interpret: bool,
+) -> _AttentionShapes:
+    """Both attention plans' input checks, and the sizes they plan with."""
+    _check_attention_inputs(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens)
+    _check_attention_out(query, out)
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    compute_f32 = query.dtype == torch.float32 or (interpret and query.dtype == torch.bfloat16)
+    return _AttentionShapes(
+        num_tokens, num_heads, head_dim, num_kv_heads, seq_lens.shape[0], num_heads // num_kv_heads, compute_f32
+    )
+
+
+def _kv_strides(key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor) -> dict[str, int]:
+    """The KV caches' and block table's strides: the last arguments of both kernels."""
+    return {
+        "stride_k_block": key_cache.stride(0),
+        "stride_k_row": key_cache.stride(1),
+        "stride_k_head": key_cache.stride(2),
+        "stride_v_block": value_cache.stride(0),
+        "stride_v_row": value_cache.stride(1),
+        "stride_v_head": value_cache.stride(2),
+        "stride_bt_seq": block_tables.stride(0),
+    }
+
+
 def _check_tiles(tiles: AttentionTiles, group: int) -> None:
     for value, name in ((tiles.block_m, "block_m"), (tiles.tile_n, "tile_n")):
         _require(value >= 16 and value == _pow2(value), f"{name} must be a power of two >= 16")
@@ -189,13 +233,9 @@ def plan_paged_attention(
 ) -> KernelLaunch:
     """Plan the unified attention kernel; ``interpret`` selects the interpreter-safe
     float32 path for bfloat16."""
-    _check_attention_inputs(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens)
-    _check_attention_out(query, out)
-    num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
-    num_seqs = seq_lens.shape[0]
-    group = num_heads // num_kv_heads
-    compute_f32 = query.dtype == torch.float32 or (interpret and query.dtype == torch.bfloat16)
+    num_tokens, _, head_dim, num_kv_heads, num_seqs, group, compute_f32 = _checked_shapes(
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out, interpret
+    )
     if tiles is None:
         tiles = default_attention_tiles(num_tokens, num_seqs, group, head_dim, compute_f32)
     _check_tiles(tiles, group)
@@ -217,13 +257,7 @@ def plan_paged_attention(
         "stride_q_head": query.stride(1),
         "stride_o_tok": out.stride(0),
         "stride_o_head": out.stride(1),
-        "stride_k_block": key_cache.stride(0),
-        "stride_k_row": key_cache.stride(1),
-        "stride_k_head": key_cache.stride(2),
-        "stride_v_block": value_cache.stride(0),
-        "stride_v_row": value_cache.stride(1),
-        "stride_v_head": value_cache.stride(2),
-        "stride_bt_seq": block_tables.stride(0),
+        **_kv_strides(key_cache, value_cache, block_tables),
     }
     constexprs = {
         "GROUP": group,
@@ -297,13 +331,9 @@ def plan_split_kv_attention(
     ``tile_n``: keys per inner iteration (default: the unified kernel's). Meant for
     decode-only batches (num_tokens == num_seqs: the split grid is then (num_seqs,
     num_kv_heads, num_splits)); any batch comes out right, a prefill chunk only slower."""
-    _check_attention_inputs(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens)
-    _check_attention_out(query, out)
-    num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
-    num_seqs = seq_lens.shape[0]
-    group = num_heads // num_kv_heads
-    compute_f32 = query.dtype == torch.float32 or (interpret and query.dtype == torch.bfloat16)
+    num_tokens, num_heads, head_dim, num_kv_heads, num_seqs, group, compute_f32 = _checked_shapes(
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out, interpret
+    )
     if num_splits is None:
         num_splits = split_kv_splits(num_seqs, num_kv_heads, _num_sms(query.device))
     _require(
@@ -343,13 +373,7 @@ def plan_split_kv_attention(
         "num_seqs": num_seqs,
         "stride_q_tok": query.stride(0),
         "stride_q_head": query.stride(1),
-        "stride_k_block": key_cache.stride(0),
-        "stride_k_row": key_cache.stride(1),
-        "stride_k_head": key_cache.stride(2),
-        "stride_v_block": value_cache.stride(0),
-        "stride_v_row": value_cache.stride(1),
-        "stride_v_head": value_cache.stride(2),
-        "stride_bt_seq": block_tables.stride(0),
+        **_kv_strides(key_cache, value_cache, block_tables),
     }
     split_constexprs = {
         "NUM_HEADS": num_heads,
