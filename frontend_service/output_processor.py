@@ -73,8 +73,9 @@ class ParentRequest:
         self._prompt_logprobs_sent = False
         self._final_sent = False
         self._aborted = False
-        self._num_outputs = 0  # RequestOutputs made so far
-        self._tokens_at_output = 0  # output tokens of all children at the last one
+        # Output tokens of all children at the last RequestOutput (None: none made yet);
+        # kept with a stream interval only.
+        self._tokens_at_output: int | None = None
         # Children that progressed in steps held back by the stream interval: their
         # deltas go out with the next output.
         self._held: list[RequestState] = []
@@ -137,16 +138,16 @@ class ParentRequest:
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         children = self.children
-        num_tokens = sum(len(c.token_ids) for c in children) if stream_interval > 1 else 0
         if stream_interval > 1:
-            if not finished and self._num_outputs and num_tokens - self._tokens_at_output < stream_interval:
+            num_tokens = sum(len(c.token_ids) for c in children)
+            sent = self._tokens_at_output
+            if not finished and sent is not None and num_tokens - sent < stream_interval:
                 self._held.extend(progressed)
                 return None
+            self._tokens_at_output = num_tokens
             if self._held:
                 progressed = [*self._held, *progressed]
                 self._held = []
-        self._num_outputs += 1
-        self._tokens_at_output = num_tokens
         if kind != RequestOutputKind.DELTA:
             completions = [self._cumulative(i) for i in range(self.n)]
         elif self.n == 1:  # every entry of progressed is the one child
