@@ -373,3 +373,15 @@ class Roofline:
         decode_bytes = decode_tokens / batch * self.weight_bytes + contexts * self.kv_bytes_per_token
         decode = max(decode_flops / rate, decode_bytes / (self.limits.copy_gbps * 1e9))
         return prefill + decode
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of the /metrics page on 127.0.0.1:``port``: (name, sorted labels) -> value."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}

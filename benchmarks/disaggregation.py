@@ -27,11 +27,10 @@ import os
 import random
 import sys
 import tempfile
-import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
-from benchmarks.common import FIRST_ORDINARY_TOKEN, read_model_config
+from benchmarks.common import FIRST_ORDINARY_TOKEN, read_model_config, scrape
 from benchmarks.serve_bench import (
     LaunchedStack,
     RequestSpec,
@@ -59,16 +58,6 @@ def make_specs(args: argparse.Namespace, vocab: int) -> tuple[list[RequestSpec],
     longs = [RequestSpec(args.streams + i, "long", prompt(args.long_prompt_len), args.long_output_len)
              for i in range(args.long_prompts)]
     return streams, longs
-
-
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of a /metrics page: (name, sorted labels) -> value."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 def transfer_totals(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> dict[str, float]:

@@ -43,6 +43,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from benchmarks.common import scrape
+
 MODES = ("delta", "final", "http")
 
 
@@ -283,21 +285,11 @@ class Stack:
     def engine_batches(self) -> dict[str, float]:
         """The engine's steps so far and the requests they ran (its
         ``tandem:iteration_requests`` histogram)."""
-        import urllib.request
-
-        from prometheus_client.parser import text_string_to_metric_families
-
-        url = f"http://127.0.0.1:{self.engine_metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=10) as response:
-            text = response.read().decode()
-        found = {"steps": 0.0, "requests": 0.0}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name == "tandem:iteration_requests_count":
-                    found["steps"] += sample.value
-                elif sample.name == "tandem:iteration_requests_sum":
-                    found["requests"] += sample.value
-        return found
+        samples = scrape(self.engine_metrics_port)
+        return {
+            "steps": sum(v for (name, _), v in samples.items() if name == "tandem:iteration_requests_count"),
+            "requests": sum(v for (name, _), v in samples.items() if name == "tandem:iteration_requests_sum"),
+        }
 
     def wait_ready(self, timeout: float = 300) -> float:
         import grpc
