@@ -14,7 +14,8 @@ The same workload runs
 
 Each run prints output tok/s and the CPU microseconds per output token of every
 process (frontend(s), engine; the in-process child), measured from /proc over the
-run. Every process runs one torch thread (``--num-threads 1``, ``OMP_NUM_THREADS=1``),
+run, and the client processes' own CPU beside them (not part of the stack's cost, but on
+a small machine it is taken from the same cores). Every process runs one torch thread (``--num-threads 1``, ``OMP_NUM_THREADS=1``),
 so threads spinning for work do not count as work. Greedy, ``ignore_eos``: each
 request's tokens are the same on every path, and the runs check it (a digest of every
 request's token ids; HTTP streams text only, so it counts tokens from the usage).
@@ -204,7 +205,7 @@ def client_main(args: argparse.Namespace) -> int:
         work = Workload.from_json(f.read()).slice(args.index, args.of)
     # Wait for the parent's go (a line on stdin) so every client starts together.
     sys.stdin.readline()
-    start = time.perf_counter()
+    start, cpu0 = time.perf_counter(), time.process_time()
     if args.mode == "http":
         counts = asyncio.run(_run_http(args.target, work, args.concurrency))
         doc: dict[str, Any] = {"tokens": sum(counts), "lists": None, "messages": None}
@@ -214,6 +215,7 @@ def client_main(args: argparse.Namespace) -> int:
         )
         doc = {"tokens": sum(map(len, lists)), "lists": lists, "messages": messages}
     doc["seconds"] = time.perf_counter() - start
+    doc["cpu"] = time.process_time() - cpu0
     print(json.dumps(doc), flush=True)
     return 0
 
@@ -389,6 +391,7 @@ def run_clients(stack: Stack, mode: str, work_path: str, clients: int, concurren
     stop_profilers(profilers)
     cpu = {role: sum(cpu_seconds(pid) - before[pid] for pid in pids) for role, pids in roles.items()}
     tokens = sum(d["tokens"] for d in docs)
+    clients_cpu = sum(d["cpu"] for d in docs)
     lists: list[list[int]] | None = None
     if all(d["lists"] is not None for d in docs):  # client i ran requests i, i + clients, ...
         lists = [[] for _ in range(sum(len(d["lists"]) for d in docs))]
@@ -399,7 +402,7 @@ def run_clients(stack: Stack, mode: str, work_path: str, clients: int, concurren
         "cpu": cpu, "us_per_token": {role: c / tokens * 1e6 for role, c in cpu.items()},
         "digest": None if lists is None else digest(lists),
         "messages": None if lists is None else sum(d["messages"] for d in docs),
-        "lists": lists, "batch": batches,
+        "lists": lists, "batch": batches, "clients_us_per_token": clients_cpu / tokens * 1e6,
     }
 
 
@@ -536,7 +539,7 @@ def main() -> int:
                         line += f"  ({total / result['local']['us_per_token']['in-process']:.2f}x in-process)"
                     if run["messages"]:
                         line += f"; {run['tokens'] / run['messages']:.2f} tokens/message"
-                    line += f"; {mean_batch(run['batch'])}"
+                    line += f"; {mean_batch(run['batch'])}; clients {run['clients_us_per_token']:.1f} us/token"
                     print(line, flush=True)
                     local = result.get("local")
                     if local is not None and run["tokens"] != local["tokens"]:
