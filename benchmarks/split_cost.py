@@ -14,8 +14,11 @@ The same workload runs
 
 Each run prints output tok/s and the CPU microseconds per output token of every
 process (frontend(s), engine; the in-process child), measured from /proc over the
-run, and the client processes' own CPU beside them (not part of the stack's cost, but on
-a small machine it is taken from the same cores). Every process runs one torch thread (``--num-threads 1``, ``OMP_NUM_THREADS=1``),
+run; beside them the client processes' own CPU (not the stack's cost, but on a small
+machine it comes out of the same cores) and, for gRPC runs, the time from a call to its
+first message as the clients see it (p50 / p90; it includes gRPC accepting the call,
+which the frontend's time-to-first-token metric cannot see). Every process runs one
+torch thread (``--num-threads 1``, ``OMP_NUM_THREADS=1``),
 so threads spinning for work do not count as work. Greedy, ``ignore_eos``: each
 request's tokens are the same on every path, and the runs check it (a digest of every
 request's token ids; HTTP streams text only, so it counts tokens from the usage).
@@ -144,8 +147,9 @@ def free_port() -> int:
 
 
 async def _run_grpc(target: str, work: Workload, concurrency: int, final_only: bool, num_channels: int
-                    ) -> tuple[list[list[int]], int]:
-    """Every request's token ids, and how many messages carried them."""
+                    ) -> tuple[list[list[int]], int, list[float]]:
+    """Every request's token ids, how many messages carried them, and each request's
+    time from the call to its first message (seconds)."""
     import grpc
 
     from tandem.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
@@ -153,6 +157,7 @@ async def _run_grpc(target: str, work: Workload, concurrency: int, final_only: b
     kind = common_pb2.OUTPUT_KIND_FINAL_ONLY if final_only else common_pb2.OUTPUT_KIND_DELTA
     results: list[list[int]] = [[] for _ in work.prompts]
     messages = [0] * work.num_requests
+    first_seconds = [0.0] * work.num_requests
     gate = asyncio.Semaphore(concurrency)
     # One connection per channel: several let the kernel spread a client's streams over
     # the frontend processes sharing the port (--frontends N).
@@ -171,7 +176,10 @@ async def _run_grpc(target: str, work: Workload, concurrency: int, final_only: b
             )
             async with gate:
                 tokens = results[i]
+                start = time.perf_counter()
                 async for resp in stub.Generate(req, timeout=3600):
+                    if not messages[i]:
+                        first_seconds[i] = time.perf_counter() - start
                     tokens.extend(resp.outputs[0].token_ids)
                     messages[i] += 1
 
@@ -179,7 +187,7 @@ async def _run_grpc(target: str, work: Workload, concurrency: int, final_only: b
     finally:
         for channel in channels:
             await channel.close()
-    return results, sum(messages)
+    return results, sum(messages), first_seconds
 
 
 async def _run_http(base_url: str, work: Workload, concurrency: int) -> list[int]:
@@ -208,12 +216,13 @@ def client_main(args: argparse.Namespace) -> int:
     start, cpu0 = time.perf_counter(), time.process_time()
     if args.mode == "http":
         counts = asyncio.run(_run_http(args.target, work, args.concurrency))
-        doc: dict[str, Any] = {"tokens": sum(counts), "lists": None, "messages": None}
+        doc: dict[str, Any] = {"tokens": sum(counts), "lists": None, "messages": None, "first_seconds": None}
     else:
-        lists, messages = asyncio.run(
+        lists, messages, first_seconds = asyncio.run(
             _run_grpc(args.target, work, args.concurrency, args.mode == "final", args.channels)
         )
-        doc = {"tokens": sum(map(len, lists)), "lists": lists, "messages": messages}
+        doc = {"tokens": sum(map(len, lists)), "lists": lists, "messages": messages,
+               "first_seconds": first_seconds}
     doc["seconds"] = time.perf_counter() - start
     doc["cpu"] = time.process_time() - cpu0
     print(json.dumps(doc), flush=True)
@@ -392,6 +401,7 @@ def run_clients(stack: Stack, mode: str, work_path: str, clients: int, concurren
     cpu = {role: sum(cpu_seconds(pid) - before[pid] for pid in pids) for role, pids in roles.items()}
     tokens = sum(d["tokens"] for d in docs)
     clients_cpu = sum(d["cpu"] for d in docs)
+    firsts = sorted(t for d in docs for t in d["first_seconds"] or ())
     lists: list[list[int]] | None = None
     if all(d["lists"] is not None for d in docs):  # client i ran requests i, i + clients, ...
         lists = [[] for _ in range(sum(len(d["lists"]) for d in docs))]
@@ -403,6 +413,7 @@ def run_clients(stack: Stack, mode: str, work_path: str, clients: int, concurren
         "digest": None if lists is None else digest(lists),
         "messages": None if lists is None else sum(d["messages"] for d in docs),
         "lists": lists, "batch": batches, "clients_us_per_token": clients_cpu / tokens * 1e6,
+        "first_message_s": {"p50": firsts[len(firsts) // 2], "p90": firsts[len(firsts) * 9 // 10]} if firsts else None,
     }
 
 
@@ -540,6 +551,9 @@ def main() -> int:
                     if run["messages"]:
                         line += f"; {run['tokens'] / run['messages']:.2f} tokens/message"
                     line += f"; {mean_batch(run['batch'])}; clients {run['clients_us_per_token']:.1f} us/token"
+                    if run["first_message_s"]:
+                        first = run["first_message_s"]
+                        line += f"; first message p50 {first['p50'] * 1e3:.0f} / p90 {first['p90'] * 1e3:.0f} ms"
                     print(line, flush=True)
                     local = result.get("local")
                     if local is not None and run["tokens"] != local["tokens"]:
