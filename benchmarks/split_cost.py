@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from benchmarks.common import scrape
+from benchmarks.serve_bench import percentile
 
 MODES = ("delta", "final", "http")
 
@@ -401,7 +402,7 @@ def run_clients(stack: Stack, mode: str, work_path: str, clients: int, concurren
     cpu = {role: sum(cpu_seconds(pid) - before[pid] for pid in pids) for role, pids in roles.items()}
     tokens = sum(d["tokens"] for d in docs)
     clients_cpu = sum(d["cpu"] for d in docs)
-    firsts = sorted(t for d in docs for t in d["first_seconds"] or ())
+    firsts = [t for d in docs for t in d["first_seconds"] or ()]
     lists: list[list[int]] | None = None
     if all(d["lists"] is not None for d in docs):  # client i ran requests i, i + clients, ...
         lists = [[] for _ in range(sum(len(d["lists"]) for d in docs))]
@@ -413,7 +414,7 @@ def run_clients(stack: Stack, mode: str, work_path: str, clients: int, concurren
         "digest": None if lists is None else digest(lists),
         "messages": None if lists is None else sum(d["messages"] for d in docs),
         "lists": lists, "batch": batches, "clients_us_per_token": clients_cpu / tokens * 1e6,
-        "first_message_s": {"p50": firsts[len(firsts) // 2], "p90": firsts[len(firsts) * 9 // 10]} if firsts else None,
+        "first_message_s": {"p50": percentile(firsts, 50), "p90": percentile(firsts, 90)} if firsts else None,
     }
 
 
