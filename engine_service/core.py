@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -12,7 +13,7 @@ from engine_service.admission import (
     RequestRejected,
     deadline_exceeded,
 )
-from engine_service.config import ConfigError, EngineConfig
+from engine_service.config import EngineConfig
 from engine_service.cpu import cpu_quota, default_num_threads, keep_freed_memory_mapped
 from engine_service.distributed.executor import TensorParallelExecutor, WorkerDiedError
 from engine_service.kv_transfer import KvConnector, NoConnector
@@ -27,6 +28,7 @@ from engine_service.sleep_mode import SleepMode
 from engine_service.startup import EngineStartUp, default_connector
 from engine_service.thread_governor import ThreadGovernor
 from engine_service.validation import RequestValidation
+from tandem.model_source import resolve_model
 from tandem.protocol.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -56,8 +58,8 @@ class EngineCore(EngineStartUp, SleepMode, Sessions, RequestValidation, LoRAUtil
         KV-cache sizing and allocation) as spans under the current span; None: no spans.
         ``kv_connector``: moves KV between engines (kv_transfer/); None: the one
         ``config.kv_role`` asks for (over gRPC, no engine token), or none."""
-        if not config.model:
-            raise ConfigError("EngineConfig.model is required: a checkpoint directory")
+        # --model as named (a GGUF file, "demo", "" for the default) -> its checkpoint directory.
+        config = dataclasses.replace(config, model=resolve_model(config.model))
         self.config = config
         self.engine_index = engine_index
         self.kv_connector = kv_connector or default_connector(config, engine_index)

@@ -40,6 +40,7 @@ from tandem.grpc_guard import MalformedRequestGuard
 from tandem.grpc_server import BindError, ServiceServer, add_health_port_cli
 from tandem.health import ServiceHealth
 from tandem.heap import freeze_startup_heap
+from tandem.model_source import resolve_model
 from tandem.protocol.outputs import (
     EngineCoreRequest,
 )
@@ -263,10 +264,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
 
 def run_cli(args: argparse.Namespace) -> int:
     keep_freed_memory_mapped()  # before any thread exists: see its docstring
-    if not args.model:
-        from engine_service.make_model import demo_model_dir
-
-        args.model = demo_model_dir()
+    args.model = resolve_model(args.model)
     engine_config = EngineConfig.from_cli_args(args)
     server_config = EngineServerConfig(
         host=args.host,

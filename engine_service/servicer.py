@@ -356,7 +356,7 @@ class EngineServicer(ClientOutputs, engine_pb2_grpc.EngineCoreServicer):
             engine_index=core.engine_index,
             architecture=core.model_config.architecture,
             model=cfg.model,
-            served_model_name=Path(cfg.model).name,
+            served_model_name=cfg.served_model_name or Path(cfg.model).name,
             max_model_len=core.max_model_len,
             vocab_size=core.model_config.vocab_size,
             block_size=cfg.block_size,

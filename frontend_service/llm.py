@@ -17,6 +17,7 @@ from engine_service.core import EngineCore
 from frontend_service.input_processor import InputProcessor
 from frontend_service.output_processor import OutputProcessor
 from frontend_service.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from tandem.model_source import resolve_model
 from tandem.protocol.lora import LoRARequest
 from tandem.protocol.pooling_params import PoolingParams
 from tandem.protocol.sampling_params import InvalidRequestError, RequestOutputKind, SamplingParams
@@ -34,6 +35,7 @@ class LLM:
     def __init__(self, model: str, **engine_args: Any) -> None:
         from transformers import AutoTokenizer
 
+        model = resolve_model(model)  # a GGUF file, "demo" or "" -> its checkpoint directory
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.engine = EngineCore(EngineConfig(model=model, **engine_args))
         # Holds the engine, not self: runs once, on shutdown(), collection or exit.

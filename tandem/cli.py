@@ -22,6 +22,7 @@ from typing import Literal, NoReturn
 
 from engine_service.config import ConfigError
 from tandem.errors import CLIError, UsageError
+from tandem.model_source import resolve_model
 from tandem.protocol.model_config import ModelLoadError, check_checkpoint_dir
 
 Handler = Callable[[argparse.Namespace], int]
@@ -134,11 +135,13 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 
 
 def _check_model(command: Subcommand | None, args: argparse.Namespace) -> None:
-    model = getattr(args, "model", "")
-    if command is None or command.checkpoint is None or not model:
+    """Resolve ``--model`` (a GGUF file, "demo", none for the default) to its checkpoint
+    directory and check it holds what the command needs; a problem is one usage line."""
+    if command is None or command.checkpoint is None or not hasattr(args, "model"):
         return
     try:
-        check_checkpoint_dir(model, weights=command.checkpoint == "weights")
+        args.model = resolve_model(args.model or "")
+        check_checkpoint_dir(args.model, weights=command.checkpoint == "weights")
     except ModelLoadError as exc:
         raise UsageError(f"--model {exc}") from None
 

@@ -7,6 +7,7 @@ import time
 
 from engine_service.config import EngineConfig
 from tandem.argtypes import non_negative_float, positive_int
+from tandem.model_source import resolve_model
 
 
 def add_cli(sub: argparse._SubParsersAction) -> None:
@@ -23,12 +24,10 @@ def run_cli(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from engine_service.core import EngineCore
-    from engine_service.make_model import demo_model_dir
     from tandem.protocol.outputs import EngineCoreRequest
     from tandem.protocol.sampling_params import SamplingParams
 
-    if not args.model:
-        args.model = demo_model_dir()
+    args.model = resolve_model(args.model)
     config = EngineConfig.from_cli_args(args)
     tokenizer = AutoTokenizer.from_pretrained(config.model)
     core = EngineCore(config)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from engine_service.distributed.parallel_state import Communicator
 from engine_service.distributed.sharding import ShardPlan
 from engine_service.models.decoder import DecoderForCausalLM, FusedLinear
-from engine_service.models.loader import WeightLoader, checkpoint_files
+from engine_service.models.loader import WeightLoader, load_weights
 from kernels.dispatch import KernelOps
 from tandem.protocol.model_config import ModelConfig
 
@@ -88,9 +88,5 @@ def load_sharded_model(
     config = ModelConfig.from_pretrained(model_dir)
     plan = ShardPlan.build(config, comm.rank, comm.world_size)
     model = ShardedDecoderForCausalLM(plan, ops, dtype, device, comm)
-    loader = WeightLoader(model, config, plan.weight_targets())
-    with torch.no_grad():
-        for path in checkpoint_files(model_dir):
-            loader.load_file(path)
-    loader.check_complete(model_dir)
+    load_weights(WeightLoader(model, config, plan.weight_targets()), model_dir, config)
     return model.eval(), config

@@ -11,13 +11,16 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from engine_service.models.decoder import DecoderForCausalLM
 from kernels.dispatch import KernelOps
+from tandem.gguf_metadata import read_pointer
 from tandem.protocol.model_config import ModelConfig, ModelLoadError
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -141,26 +144,31 @@ class WeightLoader:
                 raise RuntimeError(f"internal: no room for {name} in parameter {target.param}")
 
     def load_file(self, path: str) -> None:
+        """Load every tensor of one safetensors file."""
         with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if _IGNORED.match(name) or (self._skip_lm_head and name == "lm_head.weight"):
-                    continue
-                target = self._targets.get(name)
-                if target is None:
-                    raise ModelLoadError(f"{path}: unexpected tensor {name!r} (no parameter takes it)")
-                if name in self._loaded_from:
-                    raise ModelLoadError(
-                        f"{path}: tensor {name!r} was already loaded from {self._loaded_from[name]}"
-                    )
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != target.shape:
-                    raise ModelLoadError(
-                        f"{path}: tensor {name!r} has shape {list(shape)}, expected {list(target.shape)}"
-                    )
-                param = self._params[target.param]
-                rows = param.data[target.row_start : target.row_start + target.num_rows]
-                rows.copy_(_read(f, name, target))  # casts to the parameter's dtype and device
-                self._loaded_from[name] = path
+            self.load_entries(path, safetensors_entries(f))
+
+    def load_entries(self, source: str, entries: Iterable[tuple[str, tuple[int, ...], Reader]]) -> None:
+        """Load ``(name, shape, read)`` triples from ``source`` (a file, for messages):
+        ``read(take)`` returns the tensor, or only its ``take`` slice."""
+        for name, shape, read in entries:
+            if _IGNORED.match(name) or (self._skip_lm_head and name == "lm_head.weight"):
+                continue
+            target = self._targets.get(name)
+            if target is None:
+                raise ModelLoadError(f"{source}: unexpected tensor {name!r} (no parameter takes it)")
+            if name in self._loaded_from:
+                raise ModelLoadError(
+                    f"{source}: tensor {name!r} was already loaded from {self._loaded_from[name]}"
+                )
+            if shape != target.shape:
+                raise ModelLoadError(
+                    f"{source}: tensor {name!r} has shape {list(shape)}, expected {list(target.shape)}"
+                )
+            param = self._params[target.param]
+            rows = param.data[target.row_start : target.row_start + target.num_rows]
+            rows.copy_(read(target.take))  # casts to the parameter's dtype and device
+            self._loaded_from[name] = source
 
     def check_complete(self, model_dir: str) -> None:
         missing = [n for n in self._targets if n not in self._loaded_from]
@@ -169,13 +177,62 @@ class WeightLoader:
             raise ModelLoadError(f"{model_dir}: checkpoint lacks tensors {shown}")
 
 
-def _read(f: object, name: str, target: WeightTarget) -> torch.Tensor:
-    """The checkpoint tensor, or only its ``take`` slice (read without the rest)."""
-    if target.take is None:
-        return f.get_tensor(name)  # type: ignore[attr-defined]
-    dim, start, stop = target.take
-    part = f.get_slice(name)  # type: ignore[attr-defined]
-    return part[start:stop] if dim == 0 else part[:, start:stop]
+# read(take) -> the tensor, or its ``take`` slice ``(dim, start, stop)`` (None: all of it).
+Reader = Callable[[tuple[int, int, int] | None], torch.Tensor]
+
+
+def safetensors_entries(f: Any) -> Iterator[tuple[str, tuple[int, ...], Reader]]:
+    """``(name, shape, read)`` for each tensor of an open safetensors file; a ``take`` slice
+    is read without the rest of the tensor."""
+
+    def reader(name: str) -> Reader:
+        def read(take: tuple[int, int, int] | None) -> torch.Tensor:
+            if take is None:
+                return f.get_tensor(name)
+            dim, start, stop = take
+            part = f.get_slice(name)
+            return part[start:stop] if dim == 0 else part[:, start:stop]
+
+        return read
+
+    for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+        yield name, tuple(f.get_slice(name).get_shape()), reader(name)
+
+
+def gguf_reader_entries(path: str, config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...], Reader]]:
+    """A GGUF file's tensors (dequantized to float) as loader entries."""
+    from engine_service.models.gguf_weights import gguf_entries
+
+    for name, shape, read in gguf_entries(path, config):
+        yield name, shape, _taking(read)
+
+
+def _taking(read: Callable[[bool], Any]) -> Reader:
+    def read_take(take: tuple[int, int, int] | None) -> torch.Tensor:
+        tensor = read(False)
+        if take is None:
+            return tensor
+        dim, start, stop = take
+        return tensor[start:stop] if dim == 0 else tensor[:, start:stop]
+
+    return read_take
+
+
+def load_weights(loader: WeightLoader, model_dir: str, config: ModelConfig) -> None:
+    """Fill ``loader``'s model from ``model_dir``: its safetensors files, or the GGUF file its
+    ``gguf.json`` names (a GGUF sidecar, see ``tandem.model_source``); then check nothing is
+    missing."""
+    pointer = read_pointer(model_dir)
+    with torch.no_grad():
+        if pointer is not None:
+            gguf_file = pointer["gguf_file"]
+            if not os.path.isfile(gguf_file):
+                raise ModelLoadError(f"{model_dir}: its GGUF file {gguf_file!r} is gone")
+            loader.load_entries(gguf_file, gguf_reader_entries(gguf_file, config))
+        else:
+            for path in checkpoint_files(model_dir):
+                loader.load_file(path)
+    loader.check_complete(model_dir)
 
 
 def load_model(
@@ -193,11 +250,8 @@ def load_model(
         ops = get_ops("torch")
     device = torch.device(device)
     config = ModelConfig.from_pretrained(model_dir)
-    files = checkpoint_files(model_dir)
+    if read_pointer(model_dir) is None:
+        checkpoint_files(model_dir)  # a missing weight file is named before memory is allocated
     model = DecoderForCausalLM(config, ops, dtype, device)
-    loader = WeightLoader(model, config)
-    with torch.no_grad():
-        for path in files:
-            loader.load_file(path)
-    loader.check_complete(model_dir)
+    load_weights(WeightLoader(model, config), model_dir, config)
     return model.eval(), config

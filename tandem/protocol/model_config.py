@@ -28,11 +28,15 @@ def check_checkpoint_dir(path: str, weights: bool = True) -> None:
         raise ModelLoadError(f"{path}: not a directory (a local checkpoint directory is expected)")
     names = set(os.listdir(path))
     if "config.json" not in names:
-        raise ModelLoadError(f"{path}: holds no checkpoint (no config.json)")
+        raise ModelLoadError(
+            f"{path}: holds no checkpoint (no config.json, and no .gguf file)"
+        )
     if not names.intersection(_TOKENIZER_FILES):
         raise ModelLoadError(f"{path}: holds no tokenizer (none of {', '.join(_TOKENIZER_FILES)})")
-    if weights and not any(n.endswith(".safetensors") for n in names):
-        raise ModelLoadError(f"{path}: holds no weights (no *.safetensors file)")
+    if weights and not any(n.endswith(".safetensors") for n in names) and "gguf.json" not in names:
+        raise ModelLoadError(
+            f"{path}: holds no weights (no *.safetensors file; a .gguf file is passed as --model FILE)"
+        )
 
 
 @dataclass(frozen=True)
