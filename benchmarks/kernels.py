@@ -14,7 +14,11 @@ the least traffic the op needs; a prefill chunk that spans several query tiles r
 K/V, so its GB/s can exceed what DRAM delivers. FLOPs count the causal QK^T and PV
 products (4 * head_dim per visible query-key pair and head).
 
-Without CUDA (and without --smoke) it says so and exits 0. ``--smoke`` sets
+``--panel-int8`` (CPU, no Triton) times instead the native panel kernel's int8 weights
+with per-channel scales against group scales (GGUF Q8_0, 32 k a group) on bench-135m's
+shapes at 1 and 64 rows, the two alternated round by round (median per call).
+
+Without CUDA (and without --smoke or --panel-int8) it says so and exits 0. ``--smoke`` sets
 TRITON_INTERPRET=1 before importing triton, builds the full shape set (without
 allocating it), then runs a few tiny cases on CPU, timed with a wall clock.
 """
@@ -334,16 +338,66 @@ def report(cases: list[Case], env: Env) -> None:
             torch.cuda.empty_cache()
 
 
+# (N, K) of bench-135m's int8 products: o_proj-like, down_proj, the LM head.
+PANEL_INT8_SHAPES = ((576, 1536), (1536, 576), (49152, 576))
+
+
+def panel_int8_report(rows: tuple[int, ...] = (1, 64), rounds: int = 15) -> None:
+    """Per-channel vs grouped (Q8_0) int8 panels: milliseconds per ``panel_linear`` call."""
+    import torch
+
+    from kernels.cpu_ops import native_available
+    from kernels.panel_linear import pack_panels, pack_panels_grouped, panel_linear
+
+    if not native_available():
+        print("native CPU kernels unavailable: nothing to time")
+        return
+    cpu = "unknown CPU"
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    isa = torch.ops.tandem_cpu.panel_kernel_isa()
+    print(f"cpu: {cpu}   kernel: {isa}   threads: {torch.get_num_threads()}")
+    print(f"{'N x K':<12} {'rows':>5} {'per-channel ms':>15} {'grouped ms':>11} {'grouped/pc':>10}")
+    gen = torch.Generator().manual_seed(0)
+    for n, k in PANEL_INT8_SHAPES:
+        w = torch.randn(n, k, generator=gen)
+        blocks = w.view(n, k // 32, 32)  # Q8_0: d = max |block| / 127, q = round(w / d)
+        d = (blocks.abs().amax(dim=2) / 127).clamp_min(1e-12)
+        q = torch.round(blocks / d[..., None]).clamp(-127, 127).to(torch.int8).view(n, k)
+        weights = {"pc": pack_panels(w, quantize=True), "grouped": pack_panels_grouped(q, d, 32)}
+        for m in rows:
+            x = torch.randn(m, k, generator=gen)
+            calls = max(3, int(2e8 // (n * k * max(m, 8))))  # ~tens of ms a round
+            samples: dict[str, list[float]] = {"pc": [], "grouped": []}
+            for name in samples:  # warm-up
+                panel_linear(x, weights[name], None)
+            for _ in range(rounds):
+                for name, packed in weights.items():
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        panel_linear(x, packed, None)
+                    samples[name].append((time.perf_counter() - start) * 1e3 / calls)
+            pc, gr = statistics.median(samples["pc"]), statistics.median(samples["grouped"])
+            print(f"{f'{n}x{k}':<12} {m:>5} {pc:>15.4f} {gr:>11.4f} {gr / pc:>10.2f}", flush=True)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny cases under the interpreter")
     parser.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     parser.add_argument("--only", default="", help="run only kernels whose name contains this")
+    parser.add_argument("--panel-int8", action="store_true", help="CPU: per-channel vs grouped int8 panels")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.panel_int8:
+        panel_int8_report()
+        return 0
     if args.smoke:
         if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
             print("--smoke must set TRITON_INTERPRET before triton is imported", file=sys.stderr)

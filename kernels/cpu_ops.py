@@ -65,10 +65,13 @@ _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 # TANDEM_CPU_ISA: which of the kernels' ISA paths to build. "native" (default): the best
 # the CPU reports (AVX-512 where present, else AVX2 + FMA, else portable loops); "avx2":
 # the AVX2 + FMA path on any CPU that has it (an AVX-512 machine runs what an AVX2-only
-# one does: -mno-avx512f turns off every AVX-512 subset); "portable": no intrinsics.
+# one does: -mno-avx512f turns off every AVX-512 subset); "avx512_novnni": AVX-512
+# without VNNI (Skylake-X's int8 path, vpmaddwd for vpdpwssd), on a VNNI CPU;
+# "portable": no intrinsics.
 _ISA_FLAGS = {
     "native": [],
     "avx2": ["-mno-avx512f"],
+    "avx512_novnni": ["-mno-avx512vnni"],
     "portable": ["-mno-avx512f", "-mno-avx2", "-mno-fma"],
 }
 

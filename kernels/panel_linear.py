@@ -13,6 +13,17 @@ build targets the CPU it runs on). It serves two cases:
   On AVX2, products of 16 rows or more dequantize a tile of panels at a time into float32
   (in cache) and run the float32 loop instead, on unrounded x. Prefill-sized products
   (``gemm_min_rows``) run the dequantized weight through ``torch.mm`` where that is faster.
+- **grouped int8** (GGUF Q8_0 and the like, ``pack_panels_grouped``): the int8 values
+  used as they are, with one float32 scale per output row and group of ``group``
+  consecutive k (``W[n, k] = scale[n, k // group] * q[n, k]``; Q8_0: ``group = 32``).
+  The panels are laid out as per-channel int8 panels; ``scale`` is ``[P, K / group, 16]``
+  (``[p, g, j]`` scales ``W[16p + j, group g : group (g + 1)]``, padded columns 1.0).
+  Invariants: ``K % group == 0``, ``group`` even and dividing ``X_BLOCK`` (a group lies in
+  one 16-bit block of x). x is rounded exactly as for per-channel int8; the kernel flushes
+  its int32 sums every group times x's block step and the group's scales. Every int8 path
+  (AVX-512 with or without VNNI, AVX2's integer and dequantized-tile loops, the portable
+  loops, the ``torch.mm`` path, the argmax, the native decode loop, which passes
+  ``scale`` through) takes either form: the kernel tells them apart by ``scale.dim()``.
 - float32 panels, the same loop without the widening: the engine's linear layers at
   every batch size on AVX2 (a hand-scheduled inner loop, ahead of torch.mm at decode and
   prefill sizes), and below ``gemm_min_rows`` rows elsewhere.
@@ -41,16 +52,18 @@ LANES = 16  # output columns per panel (one AVX-512 register of float32)
 class PanelWeight:
     """A ``[N, K]`` weight as ``[P, K, 16]`` panels (``P = ceil(N / 16)``, zero-padded).
 
-    ``scale`` is ``[16P]`` float32 for int8 panels (the dequantized weight is
-    ``panels * scale``), an empty tensor for float32 panels.
+    ``scale`` is ``[16P]`` float32 for int8 panels with per-channel scales (the dequantized
+    weight is ``panels * scale``), ``[P, K / group, 16]`` float32 for int8 panels with
+    group scales (``group > 0``), an empty tensor for float32 panels.
     """
 
     # float32 [P, K, 16]: [p, k, j] = W[16p + j, k]; int8 [P, ceil(K / 2), 32]: k in pairs,
     # [p, i, 2j + h] = W[16p + j, 2i + h] (the kernel's 16-bit pair dot product). Contiguous.
     panels: torch.Tensor
-    scale: torch.Tensor  # [16P] float32, or empty
+    scale: torch.Tensor  # [16P] or (group > 0) [P, K / group, 16] float32, or empty; contiguous
     out_features: int  # N
     in_k: int  # K
+    group: int = 0  # k per group scale (int8 only); 0: one scale per output channel
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,24 +88,67 @@ def pack_panels(weight: torch.Tensor, quantize: bool) -> PanelWeight:
     else:
         values, scale = weight.detach().float(), torch.empty(0)
     if quantize:
-        k2 = -(-k // 2)
-        padded = F.pad(values, (0, 2 * k2 - k, 0, num_panels * LANES - n))  # [16P, 2 K2]
-        panels = padded.view(num_panels, LANES, k2, 2).permute(0, 2, 1, 3).reshape(num_panels, k2, 2 * LANES)
+        panels = _int8_panels(values)
     else:
         padded = F.pad(values, (0, 0, 0, num_panels * LANES - n))  # [16P, K]
         panels = padded.view(num_panels, LANES, k).transpose(1, 2)  # [P, K, 16]
     return PanelWeight(panels=panels.contiguous(), scale=scale, out_features=n, in_k=k)
 
 
+def _int8_panels(values: torch.Tensor) -> torch.Tensor:
+    """``[N, K]`` int8 -> contiguous ``[P, ceil(K / 2), 32]`` panels (k in pairs, zero-padded)."""
+    n, k = values.shape
+    num_panels, k2 = -(-n // LANES), -(-k // 2)
+    padded = F.pad(values, (0, 2 * k2 - k, 0, num_panels * LANES - n))  # [16P, 2 K2]
+    return padded.view(num_panels, LANES, k2, 2).permute(0, 2, 1, 3).reshape(num_panels, k2, 2 * LANES).contiguous()
+
+
+def check_group(in_k: int, group: int) -> None:
+    """Raise ValueError unless ``group`` is a group size the kernel takes for inner size
+    ``in_k``: even, dividing ``X_BLOCK`` (256), and dividing ``in_k``."""
+    if group <= 0 or group % 2 or X_BLOCK % group:
+        raise ValueError(f"group must be an even divisor of {X_BLOCK} (e.g. 32 for GGUF Q8_0), got {group}")
+    if in_k <= 0 or in_k % group:
+        raise ValueError(f"grouped int8 weights need K a multiple of the group: K = {in_k}, group = {group}")
+
+
+def pack_panels_grouped(values: torch.Tensor, scales: torch.Tensor, group: int = 32) -> PanelWeight:
+    """Int8 values ``[N, K]`` with group scales ``[N, K // group]`` (``W[n, k] = scales[n,
+    k // group] * values[n, k]``, GGUF Q8_0 with ``group = 32``) -> int8 panels with those
+    scales, the values unchanged. Rows of several such tensors concatenated (``torch.cat``
+    of values and of scales along dim 0) make one fused weight."""
+    if values.dim() != 2 or values.dtype != torch.int8:
+        raise ValueError(f"values must be 2-D int8 [out, in], got {values.dtype} {tuple(values.shape)}")
+    n, k = values.shape
+    check_group(k, group)
+    if tuple(scales.shape) != (n, k // group):
+        raise ValueError(f"scales must be [{n}, {k // group}] for [{n}, {k}] values in groups of {group}, "
+                         f"got {tuple(scales.shape)}")
+    num_panels = -(-n // LANES)
+    padded = F.pad(scales.detach().float(), (0, 0, 0, num_panels * LANES - n), value=1.0)  # [16P, G]
+    scale = padded.view(num_panels, LANES, k // group).transpose(1, 2).contiguous()  # [P, G, 16]
+    return PanelWeight(panels=_int8_panels(values.detach()), scale=scale, out_features=n, in_k=k, group=group)
+
+
 def panels_shape(out_features: int, in_k: int, quantize: bool) -> tuple[int, int, int]:
-    """Shape of ``pack_panels``' panels for an ``[out_features, in_k]`` weight."""
+    """Shape of ``pack_panels``' panels for an ``[out_features, in_k]`` weight (int8 ones:
+    also of ``pack_panels_grouped``'s)."""
     num_panels = -(-out_features // LANES)
     return (num_panels, -(-in_k // 2), 2 * LANES) if quantize else (num_panels, in_k, LANES)
 
 
+def group_scale_shape(out_features: int, in_k: int, group: int) -> tuple[int, int, int]:
+    """Shape of ``pack_panels_grouped``' scale for an ``[out_features, in_k]`` weight."""
+    check_group(in_k, group)
+    return (-(-out_features // LANES), in_k // group, LANES)
+
+
 class PanelArena:
     """One buffer on transparent huge pages (``kernels.cpu_ops.empty_on_huge_pages``) for
-    panel tensors of known shapes, placed in order, each 64-byte aligned.
+    panel tensors of known shapes, placed in order, each 64-byte aligned; and, where
+    ``scale_shapes`` lists them, a second (float32) one for the group scales of the
+    grouped weights among them, placed in the same order (``group_scale_shape``; a grouped
+    weight's scale is streamed with its panels: an eighth of their bytes at group 32).
 
     A decode step streams every weight once; with 4 KiB pages that is a TLB miss every
     4 KiB (measured on a Zen 3 EPYC: 30 layers of bench-135m at batch 1, 20.1-21.1 ->
@@ -101,20 +157,22 @@ class PanelArena:
     packing weight by weight and placing each at once holds about one copy of the model.
     """
 
-    def __init__(self, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> None:
-        from kernels.cpu_ops import empty_on_huge_pages
-
-        align = 64 // torch.empty(0, dtype=dtype).element_size()  # elements per 64 bytes
-        self._slots: list[tuple[int, tuple[int, ...]]] = []  # (offset, shape)
-        total = 0
-        for shape in shapes:
-            self._slots.append((total, tuple(shape)))
-            total += -(-torch.Size(shape).numel() // align) * align
-        self._buffer = empty_on_huge_pages((max(total, 1),), dtype)
+    def __init__(
+        self,
+        shapes: list[tuple[int, ...]],
+        dtype: torch.dtype,
+        scale_shapes: list[tuple[int, ...]] | None = None,
+    ) -> None:
+        self._slots, self._buffer = _arena_slots(shapes, dtype)
         self._next = 0
+        # Grouped weights' scales: their own slots, or (None) left where they are.
+        self._scale_slots, self._scale_buffer = _arena_slots(scale_shapes, torch.float32) if scale_shapes else ([], None)
+        self._next_scale = 0
 
     def place(self, weight: PanelWeight) -> PanelWeight:
-        """``weight`` with its panels copied into the next slot (which must fit them)."""
+        """``weight`` with its panels copied into the next slot (which must fit them), and,
+        for a grouped weight when the arena holds scale slots, its scale into the next
+        scale slot."""
         if self._next >= len(self._slots):
             raise ValueError(f"PanelArena: all {len(self._slots)} slots are placed")
         offset, shape = self._slots[self._next]
@@ -124,21 +182,49 @@ class PanelArena:
                 f"PanelArena: slot {self._next} holds {shape} {self._buffer.dtype}, "
                 f"got {tuple(panels.shape)} {panels.dtype}"
             )
+        scale = weight.scale
+        if weight.group > 0 and self._scale_buffer is not None:
+            if self._next_scale >= len(self._scale_slots):
+                raise ValueError(f"PanelArena: all {len(self._scale_slots)} scale slots are placed")
+            scale_offset, scale_shape = self._scale_slots[self._next_scale]
+            if tuple(scale.shape) != scale_shape:
+                raise ValueError(
+                    f"PanelArena: scale slot {self._next_scale} holds {scale_shape}, got {tuple(scale.shape)}"
+                )
+            self._next_scale += 1
+            scale = self._scale_buffer[scale_offset : scale_offset + scale.numel()].view(scale_shape)
+            scale.copy_(weight.scale)
         self._next += 1
         view = self._buffer[offset : offset + panels.numel()].view(shape)
         view.copy_(panels)
-        return replace(weight, panels=view)
+        return replace(weight, panels=view, scale=scale)
+
+
+def _arena_slots(
+    shapes: list[tuple[int, ...]], dtype: torch.dtype
+) -> tuple[list[tuple[int, tuple[int, ...]]], torch.Tensor]:
+    """(offset, shape) of each tensor in one huge-page buffer, each 64-byte aligned; the buffer."""
+    from kernels.cpu_ops import empty_on_huge_pages
+
+    align = 64 // torch.empty(0, dtype=dtype).element_size()  # elements per 64 bytes
+    slots: list[tuple[int, tuple[int, ...]]] = []
+    total = 0
+    for shape in shapes:
+        slots.append((total, tuple(shape)))
+        total += -(-torch.Size(shape).numel() // align) * align
+    return slots, empty_on_huge_pages((max(total, 1),), dtype)
 
 
 def onto_huge_pages(weights: list[PanelWeight]) -> list[PanelWeight]:
-    """The same weights with their panels copied into one ``PanelArena``. The panels must
-    share a dtype; the input weights' panels are left as they were."""
+    """The same weights with their panels (and grouped weights' scales) copied into one
+    ``PanelArena``. The panels must share a dtype; the input weights are left as they were."""
     if not weights:
         return []
     dtype = weights[0].panels.dtype
     if any(w.panels.dtype != dtype for w in weights):
         raise ValueError("onto_huge_pages: the panels must share a dtype")
-    arena = PanelArena([tuple(w.panels.shape) for w in weights], dtype)
+    scale_shapes = [tuple(w.scale.shape) for w in weights if w.group > 0]
+    arena = PanelArena([tuple(w.panels.shape) for w in weights], dtype, scale_shapes)
     return [arena.place(w) for w in weights]
 
 
@@ -148,7 +234,11 @@ def unpack_panels(weight: PanelWeight) -> torch.Tensor:
     p = panels.shape[0]
     if panels.dtype == torch.int8:  # [P, K2, 32] -> [P, 16, K2, 2] -> [16P, 2 K2]
         dense = panels.view(p, -1, LANES, 2).permute(0, 2, 1, 3).reshape(p * LANES, -1).float()
-        dense = dense * weight.scale[:, None]
+        if weight.group > 0:  # scale [P, G, 16] -> [16P, G] -> one per k: [16P, K]
+            per_k = weight.scale.transpose(1, 2).reshape(p * LANES, -1).repeat_interleave(weight.group, dim=1)
+            dense = dense[:, : weight.in_k] * per_k
+        else:
+            dense = dense * weight.scale[:, None]
     else:
         dense = panels.transpose(1, 2).reshape(p * LANES, -1)
     return dense[: weight.out_features, : weight.in_k]

@@ -16,13 +16,18 @@ from kernels.panel_linear import (
     GEMM_MIN_K,
     LANES,
     PanelArena,
+    PanelWeight,
+    gemm_min_rows,
+    group_scale_shape,
     onto_huge_pages,
     pack_panels,
+    pack_panels_grouped,
     panel_linear,
     panel_linear_argmax,
     panel_linear_reference,
     panels_shape,
     quantize_int8,
+    round_x_16bit,
     unpack_panels,
 )
 from tandem.protocol.outputs import EngineCoreRequest
@@ -348,3 +353,212 @@ def test_panel_packing_places_the_whole_model_in_one_buffer(
     assert len({w.panels.untyped_storage().data_ptr() for w in placed}) == 1
     for got, want in zip(placed, expected, strict=True):
         assert torch.equal(got.panels, want.panels) and torch.equal(got.scale, want.scale)
+
+
+# ---- grouped int8 (GGUF Q8_0: one scale per 32 k of each output row) --------------------
+
+
+def _grouped_case(gen: torch.Generator, n: int, k: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random int8 values [n, k] in [-127, 127] and group scales [n, k // group] spread
+    over three orders of magnitude (a wrong group's scale shows at once)."""
+    q = torch.randint(-127, 128, (n, k), generator=gen).to(torch.int8)
+    d = torch.exp(torch.randn(n, k // group, generator=gen) * 2.0) * 1e-2
+    return q, d
+
+
+def _dense(q: torch.Tensor, d: torch.Tensor, group: int) -> torch.Tensor:  # W[n, k] = d[n, k // group] q[n, k]
+    return q.float() * d.repeat_interleave(group, dim=1)
+
+
+@pytest.mark.parametrize("group", [32, 2, 64, 256])
+def test_grouped_int8_matches_the_reference(group: int) -> None:
+    """Row counts hitting every register-block tail and (AVX2) the dequantized-tile loop
+    from 16 rows, K a multiple of the group but not of 256, N not a multiple of 16 or 32,
+    with and without bias, strided x."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    for m in (1, 3, 8, 17, 64):
+        n = 1 + int(torch.randint(0, 90, (), generator=gen))
+        k = group * int(torch.randint(1, 800 // group + 2, (), generator=gen))
+        q, d = _grouped_case(gen, n, k, group)
+        packed = pack_panels_grouped(q, d, group)
+        torch.testing.assert_close(unpack_panels(packed), _dense(q, d, group), atol=0, rtol=0)
+        x = torch.randn(m, k + 3, generator=gen)[:, :k]
+        bias = torch.randn(n, generator=gen) if m % 2 else None
+        got = panel_linear(x, packed, bias)
+        want = panel_linear_reference(x, packed, bias)
+        scale = float(want.abs().max()) + 1.0
+        torch.testing.assert_close(got, want, atol=2e-6 * k**0.5 * scale, rtol=1e-5, msg=f"m={m} n={n} k={k}")
+
+
+@pytest.mark.parametrize("k", [352, GEMM_MIN_K + 32])
+def test_grouped_int8_prefill_sized_products(k: int) -> None:
+    """600 rows: ``panel_linear`` (torch.mm on the dequantized weight where this build has
+    a ``gemm_min_rows`` for K, else the kernel) and the kernel itself at 600 rows (many
+    register blocks, and for the large K several row chunks), against F.linear."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    m, n, group = 600, 75, 32
+    q, d = _grouped_case(gen, n, k, group)
+    packed = pack_panels_grouped(q, d, group)
+    x = torch.randn(m, k + 5, generator=gen)[:, :k]
+    bias = torch.randn(n, generator=gen)
+    scale = float(F.linear(x, _dense(q, d, group)).abs().max()) + 1.0
+    threshold = gemm_min_rows(k)
+    got = panel_linear(x, packed, bias)
+    if threshold is not None and m >= threshold:  # unrounded x through torch.mm
+        torch.testing.assert_close(got, F.linear(x, _dense(q, d, group), bias), atol=1e-6 * k**0.5 * scale, rtol=1e-5)
+    out = torch.full((m, n), float("nan"))
+    torch.ops.tandem_cpu.panel_linear(out, x.contiguous(), packed.panels, packed.scale, bias)
+    torch.testing.assert_close(out, panel_linear_reference(x, packed, bias), atol=2e-6 * k**0.5 * scale, rtol=1e-5)
+
+
+def test_grouped_int8_argmax_is_the_first_column_of_the_products_max() -> None:
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    for m in (1, 3, 7, 16, 37):
+        n, k = 300 + int(torch.randint(0, 40, (), generator=gen)), 32 * int(torch.randint(2, 12, (), generator=gen))
+        q, d = _grouped_case(gen, n, k, 32)
+        c0, c1, c2 = sorted(torch.randperm(n, generator=gen)[:3].tolist())
+        d[c0] = d.max(dim=0).values * 2  # row c0 the longest: x = 4 W[c0] scores highest there
+        q[c1] = q[c2] = q[c0]  # one weight row in three columns: equal products
+        d[c1] = d[c2] = d[c0]
+        x = torch.randn(m, k, generator=gen)
+        x[: m // 2 + 1] = _dense(q, d, 32)[c0] * 4  # these rows' maximum is the tied triple
+        bias = torch.randn(n, generator=gen) * 0.01
+        bias[c1] = bias[c2] = bias[c0]
+        packed = pack_panels_grouped(q, d, 32)
+        want = panel_linear(x, packed, bias).argmax(dim=-1)
+        got = panel_linear_argmax(x, packed, bias)
+        assert got.dtype == torch.int64 and torch.equal(got, want), (m, n, k)
+        assert (got[: m // 2 + 1] == c0).all()
+
+
+def _q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A GGUF Q8_0 tensor made by gguf's quantizer from ``w`` [N, K] -> (int8 q [N, K],
+    float32 d [N, K // 32], gguf's own dequantization [N, K])."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    raw = quantize(w.numpy(), GGMLQuantizationType.Q8_0)  # [N, K / 32 * 34] uint8
+    n, k = w.shape
+    blocks = raw.reshape(n, k // 32, 34)  # a block: float16 d, then 32 int8
+    d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = blocks[..., 2:].copy().view(np.int8)
+    dense = dequantize(raw, GGMLQuantizationType.Q8_0)
+    return torch.from_numpy(q.reshape(n, k).copy()), torch.from_numpy(d), torch.from_numpy(np.ascontiguousarray(dense))
+
+
+def test_a_gguf_q8_0_tensor_gives_f_linear_on_its_dequantized_weight() -> None:
+    """The Q8_0 values and block scales as they are: the panels stand for exactly gguf's
+    dequantized weight, and the kernel's product is F.linear with it, up to the 16-bit
+    rounding of x (half a step per element: bounded by sum |W| * step / 2 per block)."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    n, k = 83, 32 * 13
+    w = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen)
+    q, d, dense = _q8_0(w)
+    packed = pack_panels_grouped(q, d, 32)
+    torch.testing.assert_close(unpack_panels(packed), dense, atol=0, rtol=0)
+    bias = torch.randn(n, generator=gen)
+    for m in (1, 5, 24):
+        x = torch.randn(m, k, generator=gen)
+        got = panel_linear(x, packed, bias)
+        want = F.linear(x, dense, bias)
+        # |x - round(x)| <= step / 2 per element, step = the block's max |x| / 32767.
+        half_step = (x - round_x_16bit(x)).abs().amax(dim=1, keepdim=True)
+        bound = half_step * dense.abs().sum(dim=1)[None, :] + 1e-5 * (want.abs() + 1.0)
+        assert bool(((got - want).abs() <= bound).all()), float(((got - want).abs() - bound).max())
+        torch.testing.assert_close(got, F.linear(x, dense, bias), atol=2e-3, rtol=1e-3)
+
+
+def test_pack_panels_grouped_refuses_what_the_kernel_cannot_run() -> None:
+    q = torch.randint(-127, 128, (20, 96)).to(torch.int8)
+    with pytest.raises(ValueError, match="multiple of the group"):
+        pack_panels_grouped(q[:, :80], torch.ones(20, 2), 32)
+    with pytest.raises(ValueError, match="even divisor of 256"):
+        pack_panels_grouped(q, torch.ones(20, 2), 48)
+    with pytest.raises(ValueError, match="even divisor of 256"):
+        pack_panels_grouped(q[:, :93], torch.ones(20, 31), 3)
+    with pytest.raises(ValueError, match=r"scales must be \[20, 3\]"):
+        pack_panels_grouped(q, torch.ones(20, 4), 32)
+    with pytest.raises(ValueError, match="int8"):
+        pack_panels_grouped(q.float(), torch.ones(20, 3), 32)
+    packed = pack_panels_grouped(q, torch.ones(20, 3), 32)
+    assert packed.group == 32 and packed.scale.shape == group_scale_shape(20, 96, 32) == (2, 3, LANES)
+    assert tuple(packed.panels.shape) == panels_shape(20, 96, quantize=True)
+    assert bool((packed.scale[1, :, 20 - 16 :] == 1.0).all())  # padded columns
+    with pytest.raises(RuntimeError, match="group scales"):  # the kernel checks K against G
+        torch.ops.tandem_cpu.panel_linear(
+            torch.empty(1, 20), torch.randn(1, 96), packed.panels, packed.scale[:, :2].contiguous(), torch.empty(0)
+        )
+    with pytest.raises(RuntimeError, match="int8"):  # group scales on float32 panels
+        floats = pack_panels(torch.randn(20, 96), quantize=False)
+        torch.ops.tandem_cpu.panel_linear(torch.empty(1, 20), torch.randn(1, 96), floats.panels, packed.scale,
+                                          torch.empty(0))
+
+
+def test_grouped_weights_onto_huge_pages_and_into_an_arena() -> None:
+    """Grouped weights among per-channel ones: panels in one buffer, the group scales in a
+    second one, both aligned; the products unchanged bit for bit."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    shapes = [(37, 64), (16, 96), (200, 32)]
+    weights: list[PanelWeight] = [pack_panels_grouped(*_grouped_case(gen, n, k, 32), 32) for n, k in shapes]
+    weights.insert(1, pack_panels(torch.randn(20, 50, generator=gen), quantize=True))
+    placed = onto_huge_pages(weights)
+    assert len({w.panels.untyped_storage().data_ptr() for w in placed}) == 1
+    grouped = [w for w in placed if w.group > 0]
+    assert len({w.scale.untyped_storage().data_ptr() for w in grouped}) == 1
+    for before, after in zip(weights, placed, strict=True):
+        assert after.group == before.group and torch.equal(before.scale, after.scale)
+        assert after.panels.data_ptr() % 64 == 0 and after.scale.data_ptr() % 64 == 0 and after.scale.is_contiguous()
+        x = torch.randn(5, before.in_k, generator=gen)
+        torch.testing.assert_close(panel_linear(x, after, None), panel_linear(x, before, None), atol=0, rtol=0)
+
+    arena = PanelArena([panels_shape(n, k, True) for n, k in shapes], torch.int8,
+                       [group_scale_shape(n, k, 32) for n, k in shapes])
+    for weight in [w for w in weights if w.group > 0]:
+        got = arena.place(weight)
+        assert torch.equal(got.panels, weight.panels) and torch.equal(got.scale, weight.scale)
+    with pytest.raises(ValueError, match="scale slot 0 holds"):
+        PanelArena([panels_shape(37, 64, True)], torch.int8, [group_scale_shape(37, 32, 32)]).place(weights[0])
+
+
+def _as_q8_0(weight: PanelWeight) -> PanelWeight:
+    """A per-channel int8 weight re-made as GGUF Q8_0 would store its dequantized values."""
+    q, d, _ = _q8_0(unpack_panels(weight))
+    return pack_panels_grouped(q, d, 32)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen3_dir"])
+def test_native_decode_takes_grouped_int8_weights(fixture: str, request: pytest.FixtureRequest) -> None:
+    """Every projection and the LM head as Q8_0: the native decode loop (which passes the
+    group scales to the kernel) gives the Python layer loop's tokens and logprobs."""
+    model_dir: str = request.getfixturevalue(fixture)
+    common = dict(model=model_dir, device="cpu", max_model_len=128, num_gpu_blocks_override=64,
+                  quantization="int8", max_num_batched_tokens=64)
+    cores = [EngineCore(EngineConfig(native_decode=native, **common)) for native in (True, False)]
+    for core in cores:
+        for module in core.model.modules():
+            if isinstance(module, decoder.FusedLinear):
+                module.packed_weight = _as_q8_0(module.packed_weight)
+        core.model.lm_head_packed = _as_q8_0(core.model.lm_head_packed)
+    assert cores[0].model.native_decode_weights() is not None
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    vocab = cores[0].model_config.vocab_size
+    prompts = [torch.randint(3, vocab, (int(n),), generator=gen).tolist() for n in (1, 5, 17)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0, logprobs=3)
+    results = []
+    for core in cores:
+        for i, prompt in enumerate(prompts):
+            core.add_request(EngineCoreRequest(str(i), prompt, params))
+        tokens: dict[str, list[int]] = {}
+        logprobs: dict[str, list[float]] = {}
+        while core.has_unfinished_requests():
+            for out in core.step().all_outputs():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.new_logprobs is not None:
+                    for row in out.new_logprobs.logprobs:
+                        logprobs.setdefault(out.request_id, []).extend(row)
+        results.append((tokens, logprobs))
+    assert results[0][0] == results[1][0]
+    for rid in results[0][1]:
+        torch.testing.assert_close(torch.tensor(results[0][1][rid]), torch.tensor(results[1][1][rid]),
+                                   atol=1e-4, rtol=1e-4)

@@ -6,7 +6,10 @@
 //           element [p, k, j] = W[16p + j, k]; columns past N are zero
 //           int8 [P, K2, 32] (K2 = ceil(K / 2)): k in pairs, element [p, i, 2j + h] =
 //           W[16p + j, 2i + h] (k past K zero), the layout of a 16-bit pair dot product
-//   scale   [16P] float32 (int8 weights: per-output-channel scale) or an empty tensor
+//   scale   [16P] float32 (int8 weights: per-output-channel scale) or an empty tensor;
+//           int8 weights may instead have group scales [P, G, 16] float32 (G = K / group,
+//           group even and dividing 256): element [p, g, j] scales W[16p + j, k] for
+//           group * g <= k < group * (g + 1). [16P] is the same layout with G = 1.
 //   bias    [N] float32 or an empty tensor
 //   out     [M, N] float32, rows contiguous
 //
@@ -25,6 +28,9 @@
 // block's int32 sums (< 2^31: 128 pairs x 2 x 127 x 32767) are scaled into float32.
 // The AVX2 build takes that path below kInt8AsFloatRows rows only; from there a tile of
 // int8 panels is dequantized into float32 and run through the float loop.
+// Group scales: the int32 sums are flushed into the float32 sums every group of k (a
+// group never straddles a block of x), times x's block step and the group's 16 scales
+// of the panel; the per-channel scale is applied once at the end instead.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -461,6 +467,18 @@ void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k_size, int32
   });
 }
 
+// Where an int8 tile's scales apply. Per-channel (`Grouped` false): `scale` [16P], the
+// block's int32 sums flushed into float32 once per block of x (span = kBlockPairs) times
+// x's step, the scale applied to the final sums. Grouped: `scale` [P, G, 16], the int32
+// sums flushed every `span` = group / 2 pairs (span divides kBlockPairs, so a group lies
+// in one block) times x's step * the group's scales of the panel; no final scale.
+// `groups` = G (1 when per-channel). Panel p's scales for group g: scale + (p G + g) 16.
+struct Int8Scale {
+  const float* scale;
+  int64_t span;    // k pairs per flush of the int32 sums
+  int64_t groups;  // G
+};
+
 #if defined(__AVX512BW__)
 
 inline __m512i pair_dot(__m512i acc, __m512i w, __m512i x) {
@@ -471,49 +489,60 @@ inline __m512i pair_dot(__m512i acc, __m512i w, __m512i x) {
 #endif
 }
 
-// The block's float32 sums live in memory (updated once per 256 k), so that the R x T
-// int32 sums, the T weight rows and x fit the 32 vector registers; with few rows, U
-// interleaved int32 sets (pair index mod U) hide the dot product's latency.
-template <int R, int T>
+// The block's float32 sums live in memory (updated once per flush: 256 k, or a group), so
+// that the R x T int32 sums, the T weight rows and x fit the 32 vector registers; with few
+// rows, U interleaved int32 sets (pair index mod U) hide the dot product's latency.
+template <int R, int T, bool Grouped>
 inline void int8_block_kernel(const int32_t* xq, int64_t k2, const float* xs, int64_t nb, const int8_t* panel,
-                              const float* scale, const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n) {
+                              const Int8Scale& sc, const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n) {
   constexpr int U = R * T >= 8 ? 1 : (R * T >= 4 ? 2 : 4);
   alignas(64) float accf[R][T][kLanes] = {};
   const int64_t panel_stride = k2 * 2 * kLanes;
+  const int64_t span = Grouped ? sc.span : kBlockPairs;
   for (int64_t b = 0; b < nb; ++b) {
-    __m512i iacc[U][R][T];
-    for (int u = 0; u < U; ++u)
-      for (int r = 0; r < R; ++r)
-        for (int t = 0; t < T; ++t) iacc[u][r][t] = _mm512_setzero_si512();
-    const int64_t i1 = std::min(k2, (b + 1) * kBlockPairs);
-    int64_t i = b * kBlockPairs;
-    for (; i + U <= i1; i += U) {
-      for (int u = 0; u < U; ++u) {
-        __m512i w[T];
+    const int64_t i_end = std::min(k2, (b + 1) * kBlockPairs);
+    for (int64_t i0 = b * kBlockPairs; i0 < i_end; i0 += span) {
+      __m512i iacc[U][R][T];
+      for (int u = 0; u < U; ++u)
+        for (int r = 0; r < R; ++r)
+          for (int t = 0; t < T; ++t) iacc[u][r][t] = _mm512_setzero_si512();
+      const int64_t i1 = std::min(i_end, i0 + span);
+      int64_t i = i0;
+      for (; i + U <= i1; i += U) {
+        for (int u = 0; u < U; ++u) {
+          __m512i w[T];
+          for (int t = 0; t < T; ++t) {
+            const int8_t* row = panel + t * panel_stride + (i + u) * 2 * kLanes;
+            if (R <= 2 && ((i + u) & 1) == 0)
+              _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+            w[t] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
+          }
+          for (int r = 0; r < R; ++r) {
+            const __m512i xv = _mm512_set1_epi32(xq[r * k2 + i + u]);
+            for (int t = 0; t < T; ++t) iacc[u][r][t] = pair_dot(iacc[u][r][t], w[t], xv);
+          }
+        }
+      }
+      for (; i < i1; ++i) {
         for (int t = 0; t < T; ++t) {
-          const int8_t* row = panel + t * panel_stride + (i + u) * 2 * kLanes;
-          if (R <= 2 && ((i + u) & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
-          w[t] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
-        }
-        for (int r = 0; r < R; ++r) {
-          const __m512i xv = _mm512_set1_epi32(xq[r * k2 + i + u]);
-          for (int t = 0; t < T; ++t) iacc[u][r][t] = pair_dot(iacc[u][r][t], w[t], xv);
+          const __m512i w = _mm512_cvtepi8_epi16(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + t * panel_stride + i * 2 * kLanes)));
+          for (int r = 0; r < R; ++r) iacc[0][r][t] = pair_dot(iacc[0][r][t], w, _mm512_set1_epi32(xq[r * k2 + i]));
         }
       }
-    }
-    for (; i < i1; ++i) {
-      for (int t = 0; t < T; ++t) {
-        const __m512i w = _mm512_cvtepi8_epi16(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + t * panel_stride + i * 2 * kLanes)));
-        for (int r = 0; r < R; ++r) iacc[0][r][t] = pair_dot(iacc[0][r][t], w, _mm512_set1_epi32(xq[r * k2 + i]));
+      __m512 gs[T];  // grouped: this group's scales of each panel
+      if constexpr (Grouped) {
+        const int64_t g = i0 / span;
+        for (int t = 0; t < T; ++t) gs[t] = _mm512_loadu_ps(sc.scale + ((n0 / kLanes + t) * sc.groups + g) * kLanes);
       }
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m512 step = _mm512_set1_ps(xs[r * nb + b]);
-      for (int t = 0; t < T; ++t) {
-        __m512i sum = iacc[0][r][t];
-        for (int u = 1; u < U; ++u) sum = _mm512_add_epi32(sum, iacc[u][r][t]);
-        _mm512_store_ps(accf[r][t], _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), step, _mm512_load_ps(accf[r][t])));
+      for (int r = 0; r < R; ++r) {
+        const __m512 step = _mm512_set1_ps(xs[r * nb + b]);
+        for (int t = 0; t < T; ++t) {
+          __m512i sum = iacc[0][r][t];
+          for (int u = 1; u < U; ++u) sum = _mm512_add_epi32(sum, iacc[u][r][t]);
+          const __m512 f = Grouped ? _mm512_mul_ps(step, gs[t]) : step;
+          _mm512_store_ps(accf[r][t], _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), f, _mm512_load_ps(accf[r][t])));
+        }
       }
     }
   }
@@ -522,7 +551,7 @@ inline void int8_block_kernel(const int32_t* xq, int64_t k2, const float* xs, in
     if (col >= n) break;
     const int64_t valid = std::min<int64_t>(kLanes, n - col);
     const __mmask16 mask = valid == kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
-    const __m512 s = _mm512_loadu_ps(scale + col);
+    const __m512 s = Grouped ? _mm512_set1_ps(1.f) : _mm512_loadu_ps(sc.scale + col);
     const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
     for (int r = 0; r < R; ++r)
       _mm512_mask_storeu_ps(out + r * ldo + col, mask, _mm512_fmadd_ps(_mm512_load_ps(accf[r][t]), s, bv));
@@ -533,40 +562,46 @@ inline void int8_block_kernel(const int32_t* xq, int64_t k2, const float* xs, in
 
 // AVX2 (no VNNI): a panel row (16 columns x 2 k of int8) widens to two registers of 8
 // columns' 16-bit pairs, and vpmaddwd sums each (x pair, w pair) product into int32,
-// added to the block's sums. One panel at a time: R x 2 int32 sums, the two weight
+// added to the flush's sums. One panel at a time: R x 2 int32 sums, the two weight
 // halves, x's broadcast pair and a product fit the 16 registers for R <= 4 (more rows spill).
-template <int R, int T>
+template <int R, int T, bool Grouped>
 inline void int8_block_kernel(const int32_t* xq, int64_t k2, const float* xs, int64_t nb, const int8_t* panel,
-                              const float* scale, const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n) {
+                              const Int8Scale& sc, const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n) {
   alignas(32) float accf[R][T][kLanes] = {};
   const int64_t panel_stride = k2 * 2 * kLanes;
+  const int64_t span = Grouped ? sc.span : kBlockPairs;
   for (int64_t b = 0; b < nb; ++b) {
-    const int64_t i0 = b * kBlockPairs, i1 = std::min(k2, (b + 1) * kBlockPairs);
+    const int64_t i_begin = b * kBlockPairs, i_end = std::min(k2, (b + 1) * kBlockPairs);
 #pragma GCC unroll 2
     for (int t = 0; t < T; ++t) {
-      __m256i iacc[R][2];
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) iacc[r][0] = iacc[r][1] = _mm256_setzero_si256();
       const int8_t* p = panel + t * panel_stride;
-      for (int64_t i = i0; i < i1; ++i) {
-        const int8_t* row = p + i * 2 * kLanes;
-        if (R <= 2 && (i & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
-        const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
-        const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16)));
+      for (int64_t i0 = i_begin; i0 < i_end; i0 += span) {
+        __m256i iacc[R][2];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) iacc[r][0] = iacc[r][1] = _mm256_setzero_si256();
+        const int64_t i1 = std::min(i_end, i0 + span);
+        for (int64_t i = i0; i < i1; ++i) {
+          const int8_t* row = p + i * 2 * kLanes;
+          if (R <= 2 && (i & 1) == 0) _mm_prefetch(reinterpret_cast<const char*>(row) + kPrefetchBytes, _MM_HINT_T0);
+          const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+          const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16)));
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            const __m256i xv = _mm256_set1_epi32(xq[r * k2 + i]);
+            iacc[r][0] = _mm256_add_epi32(iacc[r][0], _mm256_madd_epi16(w0, xv));
+            iacc[r][1] = _mm256_add_epi32(iacc[r][1], _mm256_madd_epi16(w1, xv));
+          }
+        }
+        const float* gs = Grouped ? sc.scale + ((n0 / kLanes + t) * sc.groups + i0 / span) * kLanes : nullptr;
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
-          const __m256i xv = _mm256_set1_epi32(xq[r * k2 + i]);
-          iacc[r][0] = _mm256_add_epi32(iacc[r][0], _mm256_madd_epi16(w0, xv));
-          iacc[r][1] = _mm256_add_epi32(iacc[r][1], _mm256_madd_epi16(w1, xv));
-        }
-      }
-#pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        const __m256 step = _mm256_set1_ps(xs[r * nb + b]);
+          const __m256 step = _mm256_set1_ps(xs[r * nb + b]);
 #pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) {
-          float* a = accf[r][t] + 8 * h;
-          _mm256_store_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][h]), step, _mm256_load_ps(a)));
+          for (int h = 0; h < 2; ++h) {
+            float* a = accf[r][t] + 8 * h;
+            const __m256 f = Grouped ? _mm256_mul_ps(step, _mm256_loadu_ps(gs + 8 * h)) : step;
+            _mm256_store_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][h]), f, _mm256_load_ps(a)));
+          }
         }
       }
     }
@@ -576,71 +611,81 @@ inline void int8_block_kernel(const int32_t* xq, int64_t k2, const float* xs, in
     if (col >= n) break;
     for (int64_t j = 0; j < std::min<int64_t>(kLanes, n - col); ++j) {
       const float bv = bias ? bias[col + j] : 0.f;
-      for (int r = 0; r < R; ++r) out[r * ldo + col + j] = accf[r][t][j] * scale[col + j] + bv;
+      const float s = Grouped ? 1.f : sc.scale[col + j];
+      for (int r = 0; r < R; ++r) out[r * ldo + col + j] = accf[r][t][j] * s + bv;
     }
   }
 }
 
 #else  // portable: the same integer arithmetic in plain loops
 
-template <int R, int T>
+template <int R, int T, bool Grouped>
 inline void int8_block_kernel(const int32_t* xq, int64_t k2, const float* xs, int64_t nb, const int8_t* panel,
-                              const float* scale, const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n) {
+                              const Int8Scale& sc, const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n) {
   float acc[R][T][kLanes] = {};
   const int64_t panel_stride = k2 * 2 * kLanes;
+  const int64_t span = Grouped ? sc.span : kBlockPairs;
   for (int64_t b = 0; b < nb; ++b) {
-    int32_t iacc[R][T][kLanes] = {};
-    const int64_t i1 = std::min(k2, (b + 1) * kBlockPairs);
-    for (int64_t i = b * kBlockPairs; i < i1; ++i) {
-      for (int r = 0; r < R; ++r) {
-        const int32_t packed = xq[r * k2 + i];
-        const int32_t lo = static_cast<int16_t>(packed & 0xFFFF), hi = static_cast<int16_t>(packed >> 16);
-        for (int t = 0; t < T; ++t) {
-          const int8_t* w = panel + t * panel_stride + i * 2 * kLanes;
+    const int64_t i_end = std::min(k2, (b + 1) * kBlockPairs);
+    for (int64_t i0 = b * kBlockPairs; i0 < i_end; i0 += span) {
+      int32_t iacc[R][T][kLanes] = {};
+      const int64_t i1 = std::min(i_end, i0 + span);
+      for (int64_t i = i0; i < i1; ++i) {
+        for (int r = 0; r < R; ++r) {
+          const int32_t packed = xq[r * k2 + i];
+          const int32_t lo = static_cast<int16_t>(packed & 0xFFFF), hi = static_cast<int16_t>(packed >> 16);
+          for (int t = 0; t < T; ++t) {
+            const int8_t* w = panel + t * panel_stride + i * 2 * kLanes;
 #pragma omp simd
-          for (int64_t j = 0; j < kLanes; ++j) iacc[r][t][j] += w[2 * j] * lo + w[2 * j + 1] * hi;
+            for (int64_t j = 0; j < kLanes; ++j) iacc[r][t][j] += w[2 * j] * lo + w[2 * j + 1] * hi;
+          }
         }
       }
+      for (int r = 0; r < R; ++r)
+        for (int t = 0; t < T; ++t) {
+          const float* gs = Grouped ? sc.scale + ((n0 / kLanes + t) * sc.groups + i0 / span) * kLanes : nullptr;
+          for (int64_t j = 0; j < kLanes; ++j)
+            acc[r][t][j] += static_cast<float>(iacc[r][t][j]) * (Grouped ? xs[r * nb + b] * gs[j] : xs[r * nb + b]);
+        }
     }
-    for (int r = 0; r < R; ++r)
-      for (int t = 0; t < T; ++t)
-        for (int64_t j = 0; j < kLanes; ++j) acc[r][t][j] += static_cast<float>(iacc[r][t][j]) * xs[r * nb + b];
   }
   for (int t = 0; t < T; ++t) {
     for (int64_t j = 0; j < kLanes; ++j) {
       const int64_t col = n0 + t * kLanes + j;
       if (col >= n) break;
       const float bv = bias ? bias[col] : 0.f;
-      for (int r = 0; r < R; ++r) out[r * ldo + col] = acc[r][t][j] * scale[col] + bv;
+      const float s = Grouped ? 1.f : sc.scale[col];
+      for (int r = 0; r < R; ++r) out[r * ldo + col] = acc[r][t][j] * s + bv;
     }
   }
 }
 
 #endif
 
-// int8_block_kernel<rows, T> for 1 <= rows <= kInt8Rows, the row count known at run time.
-template <int T, int R = 1>
+// int8_block_kernel<rows, T, Grouped> for 1 <= rows <= kInt8Rows, the row count known at run time.
+template <int T, bool Grouped, int R = 1>
 inline void int8_block_kernel_rows(int64_t rows, const int32_t* xq, int64_t k2, const float* xs, int64_t nb,
-                                   const int8_t* panel, const float* scale, const float* bias, float* out, int64_t ldo,
-                                   int64_t n0, int64_t n) {
+                                   const int8_t* panel, const Int8Scale& sc, const float* bias, float* out,
+                                   int64_t ldo, int64_t n0, int64_t n) {
   if constexpr (R < kInt8Rows) {
     if (rows != R) {
-      int8_block_kernel_rows<T, R + 1>(rows, xq, k2, xs, nb, panel, scale, bias, out, ldo, n0, n);
+      int8_block_kernel_rows<T, Grouped, R + 1>(rows, xq, k2, xs, nb, panel, sc, bias, out, ldo, n0, n);
       return;
     }
   }
-  int8_block_kernel<R, T>(xq, k2, xs, nb, panel, scale, bias, out, ldo, n0, n);
+  int8_block_kernel<R, T, Grouped>(xq, k2, xs, nb, panel, sc, bias, out, ldo, n0, n);
 }
 
-template <int T>
+template <int T, bool Grouped>
 void int8_rows_kernel(int64_t rows, const int32_t* xq, int64_t k2, const float* xs, int64_t nb, const int8_t* panel,
-                      const float* scale, const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n) {
+                      const Int8Scale& sc, const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n) {
   int64_t r = 0;
   for (; r + kInt8Rows <= rows; r += kInt8Rows)
-    int8_block_kernel<kInt8Rows, T>(xq + r * k2, k2, xs + r * nb, nb, panel, scale, bias, out + r * ldo, ldo, n0, n);
+    int8_block_kernel<kInt8Rows, T, Grouped>(xq + r * k2, k2, xs + r * nb, nb, panel, sc, bias, out + r * ldo, ldo,
+                                             n0, n);
   if (rows > r)
-    int8_block_kernel_rows<T>(rows - r, xq + r * k2, k2, xs + r * nb, nb, panel, scale, bias, out + r * ldo, ldo, n0,
-                              n);
+    int8_block_kernel_rows<T, Grouped>(rows - r, xq + r * k2, k2, xs + r * nb, nb, panel, sc, bias, out + r * ldo, ldo,
+                                       n0, n);
 }
 
 #if defined(TANDEM_AVX2_FLOAT)
@@ -655,32 +700,38 @@ void int8_rows_kernel(int64_t rows, const int32_t* xq, int64_t k2, const float* 
 constexpr int64_t kInt8AsFloatRows = 16;
 
 // int8 panels [T, K2, 32] (k in pairs) -> float32 panels [T, K, 16], column j of panel t
-// times scale[16t + j].
+// times its scale for k: `scale` [T, G, 16] (the tile's panels' scales; G = 1: one per
+// channel), each of the G groups `group_pairs` k pairs long (G * group_pairs >= K2).
 void dequantize_panels(const int8_t* src, int64_t t_count, int64_t k2, int64_t k_size, const float* scale,
-                       float* dst) {
+                       int64_t groups, int64_t group_pairs, float* dst) {
   // Per 128-bit lane: the even bytes (k = 2i) of its 8 columns, then the odd (k = 2i + 1).
   const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10,
                                          12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
   for (int64_t t = 0; t < t_count; ++t) {
-    const __m256 s0 = _mm256_loadu_ps(scale + t * kLanes), s1 = _mm256_loadu_ps(scale + t * kLanes + 8);
     const int8_t* p = src + t * k2 * 2 * kLanes;
     float* d = dst + t * k_size * kLanes;
-    for (int64_t i = 0; i < k2; ++i) {
-      __m256i v = _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i * 2 * kLanes)), split);
-      v = _mm256_permute4x64_epi64(v, 0xD8);  // [k = 2i: columns 0-15 | k = 2i + 1: columns 0-15]
-      for (int h = 0; h < 2 && 2 * i + h < k_size; ++h) {
-        const __m128i q = h == 0 ? _mm256_castsi256_si128(v) : _mm256_extracti128_si256(v, 1);
-        float* row = d + (2 * i + h) * kLanes;
-        _mm256_storeu_ps(row, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), s0));
-        _mm256_storeu_ps(row + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))), s1));
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* gs = scale + (t * groups + g) * kLanes;
+      const __m256 s0 = _mm256_loadu_ps(gs), s1 = _mm256_loadu_ps(gs + 8);
+      for (int64_t i = g * group_pairs; i < std::min(k2, (g + 1) * group_pairs); ++i) {
+        __m256i v =
+            _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i * 2 * kLanes)), split);
+        v = _mm256_permute4x64_epi64(v, 0xD8);  // [k = 2i: columns 0-15 | k = 2i + 1: columns 0-15]
+        for (int h = 0; h < 2 && 2 * i + h < k_size; ++h) {
+          const __m128i q = h == 0 ? _mm256_castsi256_si128(v) : _mm256_extracti128_si256(v, 1);
+          float* row = d + (2 * i + h) * kLanes;
+          _mm256_storeu_ps(row, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), s0));
+          _mm256_storeu_ps(row + 8,
+                           _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8))), s1));
+        }
       }
     }
   }
 }
 
 template <typename OnTile>
-void panel_linear_int8_as_float(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels, const float* scale,
-                                const float* bias, const OnTile& on_tile) {
+void panel_linear_int8_as_float(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels, const Int8Scale& sc,
+                                bool grouped, const float* bias, const OnTile& on_tile) {
   const int64_t m = x.size(0), k_size = x.size(1), n = out.size(1);
   const int64_t k2 = panels.size(1), num_panels = panels.size(0);
   const int64_t num_tiles = (num_panels + kTilePanels - 1) / kTilePanels;
@@ -692,7 +743,8 @@ void panel_linear_int8_as_float(at::Tensor& out, const at::Tensor& x, const at::
     thread_local std::vector<float> tile_buffer;
     tile_buffer.resize(kTilePanels * k_size * kLanes);
     const int64_t p0 = tile * kTilePanels, panel_count = std::min(kTilePanels, num_panels - p0);
-    dequantize_panels(wp + p0 * k2 * 2 * kLanes, panel_count, k2, k_size, scale + p0 * kLanes, tile_buffer.data());
+    dequantize_panels(wp + p0 * k2 * 2 * kLanes, panel_count, k2, k_size, sc.scale + p0 * sc.groups * kLanes,
+                      sc.groups, grouped ? sc.span : k2, tile_buffer.data());
     float_tile(rows, xp + r0 * ldx, ldx, tile_buffer.data(), panel_count, k_size, nullptr, bias, op + r0 * ldo, ldo,
                p0 * kLanes, n, nullptr);
     on_tile(r0, rows, p0 * kLanes, std::min(n, (p0 + panel_count) * kLanes));
@@ -702,12 +754,12 @@ void panel_linear_int8_as_float(at::Tensor& out, const at::Tensor& x, const at::
 #endif
 
 template <typename OnTile>
-void panel_linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels, const float* scale,
-                       const float* bias, const OnTile& on_tile) {
+void panel_linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels, const Int8Scale& sc,
+                       bool grouped, const float* bias, const OnTile& on_tile) {
   const int64_t m = x.size(0), k_size = x.size(1), n = out.size(1);
 #if defined(TANDEM_AVX2_FLOAT)
   if (m >= kInt8AsFloatRows) {
-    panel_linear_int8_as_float(out, x, panels, scale, bias, on_tile);
+    panel_linear_int8_as_float(out, x, panels, sc, grouped, bias, on_tile);
     return;
   }
 #endif
@@ -729,11 +781,21 @@ void panel_linear_int8(at::Tensor& out, const at::Tensor& x, const at::Tensor& p
     const int64_t p0 = tile * kTilePanels;
     const int8_t* panel = wp + p0 * k2 * 2 * kLanes;
     const int64_t n0 = p0 * kLanes;
-    if (p0 + kTilePanels <= num_panels)
-      int8_rows_kernel<kTilePanels>(rows, xqp + r0 * k2, k2, xsp + r0 * nb, nb, panel, scale, bias, op + r0 * ldo,
-                                    ldo, n0, n);
-    else
-      int8_rows_kernel<1>(rows, xqp + r0 * k2, k2, xsp + r0 * nb, nb, panel, scale, bias, op + r0 * ldo, ldo, n0, n);
+    const int32_t* xr = xqp + r0 * k2;
+    const float* sr = xsp + r0 * nb;
+    float* outr = op + r0 * ldo;
+    const bool whole = p0 + kTilePanels <= num_panels;
+    if (grouped) {
+      if (whole)
+        int8_rows_kernel<kTilePanels, true>(rows, xr, k2, sr, nb, panel, sc, bias, outr, ldo, n0, n);
+      else
+        int8_rows_kernel<1, true>(rows, xr, k2, sr, nb, panel, sc, bias, outr, ldo, n0, n);
+    } else {
+      if (whole)
+        int8_rows_kernel<kTilePanels, false>(rows, xr, k2, sr, nb, panel, sc, bias, outr, ldo, n0, n);
+      else
+        int8_rows_kernel<1, false>(rows, xr, k2, sr, nb, panel, sc, bias, outr, ldo, n0, n);
+    }
     on_tile(r0, rows, n0, std::min(n, n0 + kTilePanels * kLanes));
   });
 }
@@ -771,13 +833,27 @@ void panel_linear_with(at::Tensor& out, const at::Tensor& x, const at::Tensor& p
   TORCH_CHECK(panels.size(1) == (int8 ? (x.size(1) + 1) / 2 : x.size(1)), "x has ", x.size(1),
               " columns, which do not match the panels' ", panels.size(1), " rows");
   TORCH_CHECK(!int8 || scale.numel() > 0, "int8 panels need their scale");
+  // Group scales [P, G, 16] (int8 only): G groups of `group` = K / G k each.
+  const bool grouped = scale.dim() == 3;
+  int64_t group = 0;
+  if (grouped) {
+    TORCH_CHECK(int8, "group scales [P, G, 16] need int8 panels");
+    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.size(0) == panels.size(0) &&
+                    scale.size(1) > 0 && scale.size(2) == kLanes,
+                "group scales must be contiguous [P, G, 16] float32");
+    group = x.size(1) / scale.size(1);
+    TORCH_CHECK(group * scale.size(1) == x.size(1) && group % 2 == 0 && (2 * kBlockPairs) % group == 0,
+                "group scales [P, ", scale.size(1), ", 16] need K (", x.size(1),
+                ") = G * group with group even and dividing ", 2 * kBlockPairs);
+  }
   TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.stride(1) == 1 && out.size(0) == x.size(0),
               "out must be [M, N] float32");
   TORCH_CHECK(out.size(1) <= panels.size(0) * kLanes, "out has more columns than the panels");
   const bool has_scale = scale.numel() > 0, has_bias = bias.numel() > 0;
-  if (has_scale)
-    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == panels.size(0) * kLanes,
-                "scale must be [16P] float32");
+  if (has_scale && !grouped)
+    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 1 &&
+                    scale.numel() == panels.size(0) * kLanes,
+                "scale must be [16P] float32 (or int8 group scales [P, G, 16])");
   if (has_bias)
     TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == out.size(1),
                 "bias must be [N] float32");
@@ -785,7 +861,8 @@ void panel_linear_with(at::Tensor& out, const at::Tensor& x, const at::Tensor& p
   const float* b = has_bias ? bias.data_ptr<float>() : nullptr;
   if (x.size(0) == 0) return;
   if (int8)
-    panel_linear_int8(out, x, panels, s, b, on_tile);
+    panel_linear_int8(out, x, panels, Int8Scale{s, grouped ? group / 2 : kBlockPairs, grouped ? scale.size(1) : 1},
+                      grouped, b, on_tile);
   else if (panels.scalar_type() == at::kFloat)
     panel_linear_float(out, x, panels, s, b, on_tile);
   else
