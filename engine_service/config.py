@@ -41,6 +41,13 @@ class EngineConfig:
             "downloaded (docs/models.md)."
         },
     )
+    tokenizer: str = field(
+        default="",
+        metadata={
+            "help": "Tokenizer to use instead of the model's: a checkpoint directory with tokenizer "
+            "files, or a .gguf file; default: the model's. The frontend must use the same one."
+        },
+    )
     served_model_name: str = field(
         default="",
         metadata={
@@ -164,13 +171,14 @@ class EngineConfig:
             "of the LM head's memory more. Default on."
         },
     )
-    quantization: Literal["none", "int8"] = field(
-        default="none",
+    quantization: Literal["auto", "none", "int8"] = field(
+        default="auto",
         metadata={
-            "help": "Weight-only quantization computed at load: int8 stores every linear "
-            "layer and the LM head as int8 with one float32 scale per output channel "
-            "(activations stay float32); CPU, float32 models, panel linear backend. "
-            "Default none."
+            "help": "Weight-only int8 (activations stay float32; CPU, float32, panel linear "
+            "backend). auto: a GGUF file's Q8_0 matrices stay int8 with their own per-32 "
+            "scales where the linears are panels, everything else as loaded; int8: also every "
+            "other linear layer and the LM head, quantized at load with one scale per output "
+            "channel; none: float weights only (Q8_0 dequantized). Default auto."
         },
     )
     max_pending_requests: int | None = field(
@@ -377,8 +385,17 @@ class EngineConfig:
             raise ConfigError(
                 f"linear_backend must be auto, torch, onednn or panel, got {self.linear_backend!r}"
             )
-        if self.quantization not in ("none", "int8"):
-            raise ConfigError(f"quantization must be none or int8, got {self.quantization!r}")
+        if self.quantization not in ("auto", "none", "int8"):
+            raise ConfigError(f"quantization must be auto, none or int8, got {self.quantization!r}")
+        if self.device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                built = "no CUDA support" if torch.version.cuda is None else f"CUDA {torch.version.cuda}, but no GPU is visible"
+                raise ConfigError(
+                    f"device {self.device!r} asked for, but this torch {torch.__version__} has {built}: "
+                    "install the CUDA build ('make setup GPU=1', docs/deploying.md) or use --device cpu"
+                )
         if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise ConfigError(
                 f"attention_backend must be auto, torch, cpu or triton, got {self.attention_backend!r}"
@@ -469,6 +486,16 @@ class EngineConfig:
         """How the model's linear weights are stored after loading (see ``FusedLinear.pack``)."""
         backend = self.resolved_linear_backend
         return "panel_int8" if self.quantization == "int8" else backend
+
+    @property
+    def keep_int8_checkpoint_weights(self) -> bool:
+        """Load a checkpoint's int8 matrices (GGUF Q8_0) as int8 panels with their own
+        group scales rather than dequantized (see ``quantization``)."""
+        return (
+            self.quantization != "none"
+            and self.tensor_parallel_size == 1
+            and self.linear_layout in ("panel", "panel_int8")
+        )
 
     def _check_panel_backend(self) -> None:
         import torch

@@ -59,7 +59,9 @@ class EngineCore(EngineStartUp, SleepMode, Sessions, RequestValidation, LoRAUtil
         ``kv_connector``: moves KV between engines (kv_transfer/); None: the one
         ``config.kv_role`` asks for (over gRPC, no engine token), or none."""
         # --model as named (a GGUF file, "demo", "" for the default) -> its checkpoint directory.
-        config = dataclasses.replace(config, model=resolve_model(config.model))
+        config = dataclasses.replace(
+            config, model=resolve_model(config.model), tokenizer=resolve_model(config.tokenizer) if config.tokenizer else ""
+        )
         self.config = config
         self.engine_index = engine_index
         self.kv_connector = kv_connector or default_connector(config, engine_index)

@@ -164,7 +164,7 @@ async def _serve_engine(
             "engine %d accepts any client on Stream: set --engine-token or --tls-ca to admit only frontends",
             server_config.engine_index,
         )
-    servicer = EngineServicer(engine_config.model, tracing, metrics, stats_logger)
+    servicer = EngineServicer(engine_config.tokenizer or engine_config.model, tracing, metrics, stats_logger)
     engine_pb2_grpc.add_EngineCoreServicer_to_server(servicer, server)
     kv_events = KvEventLog(engine_config.block_size) if engine_config.enable_prefix_caching else None
     vllm_engine_pb2_grpc.add_VllmEngineServicer_to_server(VllmEngineServicer(servicer, kv_events), server)
@@ -265,6 +265,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
 def run_cli(args: argparse.Namespace) -> int:
     keep_freed_memory_mapped()  # before any thread exists: see its docstring
     args.model = resolve_model(args.model)
+    args.tokenizer = resolve_model(args.tokenizer) if args.tokenizer else ""
     engine_config = EngineConfig.from_cli_args(args)
     server_config = EngineServerConfig(
         host=args.host,

@@ -105,7 +105,7 @@ class EngineStartUp:
             kv_connector=self.kv_connector,
         )
         self.structured = StructuredOutputManager(
-            config.model,
+            config.tokenizer or config.model,
             self.model_config.vocab_size,
             ops.apply_token_bitmask,
             cache_size=config.structured_output_cache_size,
@@ -144,7 +144,9 @@ class EngineStartUp:
         if self.executor is not None:
             model = load_shard(cfg, self.executor.comm, self.executor.device)
             return model, model.plan.config
-        model, model_config = load_model(cfg.model, cfg.torch_dtype, cfg.torch_device, self._ops)
+        model, model_config = load_model(
+            cfg.model, cfg.torch_dtype, cfg.torch_device, self._ops, keep_int8=cfg.keep_int8_checkpoint_weights
+        )
         if cfg.linear_layout != "torch":
             model.pack_linears(cfg.linear_layout, lm_head_screen=cfg.lm_head_screen)
         model.native_decode = (

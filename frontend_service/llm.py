@@ -32,12 +32,15 @@ class LLM:
     Closed, its workers are joined, the process group destroyed and its memory
     released, so a new ``LLM`` of any kind can start in the same process."""
 
-    def __init__(self, model: str, **engine_args: Any) -> None:
+    def __init__(self, model: str, tokenizer: str | None = None, **engine_args: Any) -> None:
+        """``model``: a checkpoint directory, a .gguf file, "demo", or "" for the default
+        model; ``tokenizer``: one to use instead of the model's (the same kinds)."""
         from transformers import AutoTokenizer
 
         model = resolve_model(model)  # a GGUF file, "demo" or "" -> its checkpoint directory
-        self.tokenizer = AutoTokenizer.from_pretrained(model)
-        self.engine = EngineCore(EngineConfig(model=model, **engine_args))
+        tokenizer_dir = resolve_model(tokenizer) if tokenizer else model
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        self.engine = EngineCore(EngineConfig(model=model, tokenizer=tokenizer or "", **engine_args))
         # Holds the engine, not self: runs once, on shutdown(), collection or exit.
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
         mc = self.engine.model_config

@@ -28,8 +28,9 @@ def run_cli(args: argparse.Namespace) -> int:
     from tandem.protocol.sampling_params import SamplingParams
 
     args.model = resolve_model(args.model)
+    args.tokenizer = resolve_model(args.tokenizer) if args.tokenizer else ""
     config = EngineConfig.from_cli_args(args)
-    tokenizer = AutoTokenizer.from_pretrained(config.model)
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
     core = EngineCore(config)
     prompts = args.prompts or [
         "The quick brown fox",

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_service.attention import AttentionMetadata
+from engine_service.models.gguf_weights import Q8_0_GROUP, QuantizedRows
 from engine_service.models.rotary import build_cos_sin_cache
 from kernels.dispatch import KernelOps
 from kernels.onednn_linear import pack_weight, packed_linear
@@ -26,6 +27,7 @@ from kernels.panel_linear import (
     PanelWeight,
     argmax_screen,
     pack_panels,
+    pack_panels_grouped,
     panel_linear,
     panel_linear_argmax,
     panel_linear_argmax_screened,
@@ -250,6 +252,9 @@ class DecoderForCausalLM(nn.Module):
         )
         self.register_buffer("cos_sin_cache", cos_sin, persistent=False)  # [max_pos, head_dim] f32
         self.lm_head_packed: PackedWeight | None = None  # see pack_linears()
+        # Parameter name -> (row_start, rows) of checkpoint matrices stored as int8 with group
+        # scales (GGUF Q8_0), set by the loader: pack_linears packs them as they are.
+        self.int8_rows: dict[str, list[tuple[int, QuantizedRows]]] = {}
         # float32 panel LM head: its int8 screen for greedy steps (see greedy_tokens)
         self.lm_head_screen: ArgmaxScreen | None = None
         # Decode-only steps run every layer in one native call when all linear layers are
@@ -272,7 +277,7 @@ class DecoderForCausalLM(nn.Module):
         linears = [module for module in self.modules() if isinstance(module, FusedLinear)]
         if layout in ("panel", "panel_int8"):
             self._pack_panels(linears, quantize=layout == "panel_int8")
-            if lm_head_screen and layout == "panel":
+            if lm_head_screen and layout == "panel" and self.lm_head_packed.group == 0:
                 self.lm_head_screen = self._place_screen(argmax_screen(self.lm_head_weight, self.lm_head_packed))
         else:
             for module in linears:
@@ -281,17 +286,45 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = None  # untied: the packed copy replaces it; tied: None already
 
     def _pack_panels(self, linears: list[FusedLinear], quantize: bool) -> None:
-        """Every panel in one huge-page ``PanelArena``, packed and placed one weight at a
-        time (each dense weight is freed as its panels land: ~one model copy at peak)."""
+        """Every panel in huge-page ``PanelArena``s (one per dtype), packed and placed one
+        weight at a time (each dense weight is freed as its panels land: ~one model copy at
+        peak). A weight whose rows all came as int8 with group scales (``int8_rows``) packs
+        those as they are; the others as float32 panels, or int8 per channel if ``quantize``."""
+        names = {id(param): name for name, param in self.named_parameters()}
         todo = [module for module in linears if module.weight is not None]
-        dense_shapes = [tuple(module.weight.shape) for module in todo] + [tuple(self.lm_head_weight.shape)]
-        arena = PanelArena(
-            [panels_shape(n, k, quantize) for n, k in dense_shapes], torch.int8 if quantize else torch.float32
-        )
-        for module in todo:
-            module.packed_weight = arena.place(pack_panels(module.weight, quantize))
-            module.weight = None
-        self.lm_head_packed = arena.place(pack_panels(self.lm_head_weight, quantize))
+        lm_name = "embed_tokens" if self.config.tie_word_embeddings else "lm_head"
+        jobs = [(names[id(module.weight)], module.weight, module) for module in todo]
+        jobs.append((lm_name, self.lm_head_weight, None))
+        covered = [self._int8_covers(name, weight.shape[0]) for name, weight, _ in jobs]
+        int8 = [grouped or quantize for grouped in covered]
+        arenas = {
+            dtype: PanelArena(
+                [panels_shape(*w.shape, is_int8) for (_, w, _), is_int8 in zip(jobs, int8)
+                 if is_int8 == (dtype == torch.int8)],
+                dtype,
+            )
+            for dtype in (torch.int8, torch.float32)
+        }
+        for (name, weight, module), grouped, is_int8 in zip(jobs, covered, int8):
+            panel = self._grouped(name) if grouped else pack_panels(weight, quantize)
+            placed = arenas[torch.int8 if is_int8 else torch.float32].place(panel)
+            if module is None:
+                self.lm_head_packed = placed
+            else:
+                module.packed_weight = placed
+                module.weight = None
+        self.int8_rows = {}
+
+    def _int8_covers(self, name: str, num_rows: int) -> bool:
+        """Whether ``int8_rows`` holds every row of parameter ``name``."""
+        return sum(rows.values.shape[0] for _, rows in self.int8_rows.get(name, [])) == num_rows
+
+    def _grouped(self, name: str) -> PanelWeight:
+        """``name``'s int8 rows with group scales, packed as one weight."""
+        parts = sorted(self.int8_rows[name], key=lambda part: part[0])
+        values = torch.cat([rows.values for _, rows in parts])
+        scales = torch.cat([rows.scales for _, rows in parts])
+        return pack_panels_grouped(values, scales, Q8_0_GROUP)
 
     @staticmethod
     def _place_screen(screen: ArgmaxScreen | None) -> ArgmaxScreen | None:

@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from engine_service.models.decoder import DecoderForCausalLM
+from engine_service.models.gguf_weights import QuantizedRows
 from kernels.dispatch import KernelOps
 from tandem.gguf_metadata import read_pointer
 from tandem.protocol.model_config import ModelConfig, ModelLoadError
@@ -136,6 +137,9 @@ class WeightLoader:
         self._params = dict(model.named_parameters())
         self._targets = weight_targets(config) if targets is None else targets
         self._loaded_from: dict[str, str] = {}  # checkpoint tensor name -> file it came from
+        # Parameter name -> (row_start, int8 rows with group scales) of each checkpoint tensor
+        # read as stored (GGUF Q8_0): the model packs those rows as they are.
+        self.int8_rows: dict[str, list[tuple[int, QuantizedRows]]] = {}
         # Some tied checkpoints also store a copy of the embedding as lm_head.weight.
         self._skip_lm_head = config.tie_word_embeddings
         for name, target in self._targets.items():
@@ -167,7 +171,11 @@ class WeightLoader:
                 )
             param = self._params[target.param]
             rows = param.data[target.row_start : target.row_start + target.num_rows]
-            rows.copy_(read(target.take))  # casts to the parameter's dtype and device
+            tensor = read(target.take)
+            if isinstance(tensor, QuantizedRows):
+                self.int8_rows.setdefault(target.param, []).append((target.row_start, tensor))
+                tensor = tensor.dequantize()  # the dense copy: until packing drops it, and embeddings
+            rows.copy_(tensor)  # casts to the parameter's dtype and device
             self._loaded_from[name] = source
 
     def check_complete(self, model_dir: str) -> None:
@@ -199,17 +207,20 @@ def safetensors_entries(f: Any) -> Iterator[tuple[str, tuple[int, ...], Reader]]
         yield name, tuple(f.get_slice(name).get_shape()), reader(name)
 
 
-def gguf_reader_entries(path: str, config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...], Reader]]:
-    """A GGUF file's tensors (dequantized to float) as loader entries."""
+def gguf_reader_entries(
+    path: str, config: ModelConfig, keep_int8: bool = False
+) -> Iterator[tuple[str, tuple[int, ...], Reader]]:
+    """A GGUF file's tensors as loader entries: dequantized to float, or with ``keep_int8``
+    its Q8_0 matrices as ``QuantizedRows`` (whole tensors only)."""
     from engine_service.models.gguf_weights import gguf_entries
 
     for name, shape, read in gguf_entries(path, config):
-        yield name, shape, _taking(read)
+        yield name, shape, _taking(read, keep_int8)
 
 
-def _taking(read: Callable[[bool], Any]) -> Reader:
+def _taking(read: Callable[[bool], Any], keep_int8: bool) -> Reader:
     def read_take(take: tuple[int, int, int] | None) -> torch.Tensor:
-        tensor = read(False)
+        tensor = read(keep_int8 and take is None)
         if take is None:
             return tensor
         dim, start, stop = take
@@ -218,17 +229,17 @@ def _taking(read: Callable[[bool], Any]) -> Reader:
     return read_take
 
 
-def load_weights(loader: WeightLoader, model_dir: str, config: ModelConfig) -> None:
+def load_weights(loader: WeightLoader, model_dir: str, config: ModelConfig, keep_int8: bool = False) -> None:
     """Fill ``loader``'s model from ``model_dir``: its safetensors files, or the GGUF file its
     ``gguf.json`` names (a GGUF sidecar, see ``tandem.model_source``); then check nothing is
-    missing."""
+    missing. ``keep_int8``: GGUF Q8_0 matrices also land in ``loader.int8_rows``."""
     pointer = read_pointer(model_dir)
     with torch.no_grad():
         if pointer is not None:
             gguf_file = pointer["gguf_file"]
             if not os.path.isfile(gguf_file):
                 raise ModelLoadError(f"{model_dir}: its GGUF file {gguf_file!r} is gone")
-            loader.load_entries(gguf_file, gguf_reader_entries(gguf_file, config))
+            loader.load_entries(gguf_file, gguf_reader_entries(gguf_file, config, keep_int8))
         else:
             for path in checkpoint_files(model_dir):
                 loader.load_file(path)
@@ -240,8 +251,11 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     ops: KernelOps | None = None,
+    keep_int8: bool = False,
 ) -> tuple[DecoderForCausalLM, ModelConfig]:
-    """Build the model for ``model_dir`` in ``dtype`` on ``device``, weights loaded, eval mode."""
+    """Build the model for ``model_dir`` in ``dtype`` on ``device``, weights loaded, eval mode.
+    ``keep_int8``: the checkpoint's int8 matrices (GGUF Q8_0) are handed to the model as
+    stored (``DecoderForCausalLM.int8_rows``), for ``pack_linears`` to pack as they are."""
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
     if ops is None:
@@ -253,5 +267,7 @@ def load_model(
     if read_pointer(model_dir) is None:
         checkpoint_files(model_dir)  # a missing weight file is named before memory is allocated
     model = DecoderForCausalLM(config, ops, dtype, device)
-    load_weights(WeightLoader(model, config), model_dir, config)
+    loader = WeightLoader(model, config)
+    load_weights(loader, model_dir, config, keep_int8)
+    model.int8_rows = loader.int8_rows
     return model.eval(), config

@@ -22,7 +22,9 @@ def check_checkpoint_dir(path: str, weights: bool = True) -> None:
     before anything loads, so a wrong path is named as such rather than as a hub lookup."""
     if not os.path.exists(path):
         raise ModelLoadError(
-            f"{path}: no such directory (a local checkpoint directory is expected; nothing is downloaded)"
+            f"{path}: no such directory (a local checkpoint directory or .gguf file is expected; "
+            "nothing is downloaded: fetch a Hub model first, e.g. 'hf download ID --local-dir DIR', "
+            "and pass DIR)"
         )
     if not os.path.isdir(path):
         raise ModelLoadError(f"{path}: not a directory (a local checkpoint directory is expected)")
@@ -225,7 +227,7 @@ def _architecture(raw: dict[str, Any], source: str) -> str:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"{source}: unsupported architecture {arch!r}; supported: "
-            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))} (docs/models.md)"
         )
     return arch
 

