@@ -83,9 +83,14 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
 
 
+# The distribution's name on the package index (pyproject.toml's [project] name): the
+# command is `tandem`, the project is installed as `pip install tandem-serving`.
+DISTRIBUTION = "tandem-serving"
+
+
 def package_version() -> str:
     try:
-        return importlib.metadata.version("tandem")
+        return importlib.metadata.version(DISTRIBUTION)
     except importlib.metadata.PackageNotFoundError:
         return "unknown (not installed)"
 

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -93,9 +94,12 @@ def _generate(address: str, max_tokens: int = 4) -> list[frontend_pb2.GenerateRe
 
 
 def test_version_comes_from_the_package_metadata() -> None:
+    """Of the distribution pyproject.toml names (not "tandem": another project's name)."""
+    with open(Path(__file__).resolve().parent.parent / "pyproject.toml", "rb") as f:
+        name = tomllib.load(f)["project"]["name"]
     result = _run("--version")
     assert result.returncode == 0
-    assert result.stdout.strip() == f"tandem {importlib.metadata.version('tandem')}"
+    assert result.stdout.strip() == f"tandem {importlib.metadata.version(name)}"
 
 
 def test_help_and_client_commands_start_without_torch() -> None:

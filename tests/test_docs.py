@@ -13,6 +13,7 @@ import functools
 import re
 import subprocess
 import sys
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote
@@ -299,3 +300,56 @@ def test_tandem_commands_and_flags_exist() -> None:
         f"commands the CLI does not accept (subcommands: {', '.join(sorted(known))}):\n  "
         + "\n  ".join(problems)
     )
+
+
+# ---------------------------------------------------------------------------- installs
+
+PIP_INSTALL = re.compile(r"\bpip3?\s+install\b")
+REQUIREMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+OLD_EXTRAS = re.compile(r"(?<![\w.-])tandem\[")  # `tandem[engine]`: the extras under another name
+
+
+def distribution_name() -> str:
+    """pyproject.toml's [project] name, normalized as the package index compares names."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        name = tomllib.load(f)["project"]["name"]
+    return _normalized(name)
+
+
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def install_problems(code: Code, project: str) -> tuple[list[str], int]:
+    """Installs of this project (a requirement named tandem or tandem-*) under a name
+    other than ``project``, and how many installs of the project the code holds."""
+    problems, found = [], 0
+    for match in PIP_INSTALL.finditer(code.text):
+        stop = END_OF_COMMAND.search(code.text, match.end())
+        for token in code.text[match.end() : stop.start() if stop else len(code.text)].split():
+            name = REQUIREMENT_NAME.match(token.strip("'\""))
+            if token.startswith("-") or name is None:
+                continue
+            normalized = _normalized(name.group(0))
+            if normalized == "tandem" or normalized.startswith("tandem-"):
+                found += 1
+                if normalized != project:
+                    problems.append(f"{code.where()}: installs {name.group(0)!r}, not {project!r} ({code.text.strip()})")
+    if OLD_EXTRAS.search(code.text):
+        problems.append(f"{code.where()}: names the extras as tandem[...], not {project}[...] ({code.text.strip()})")
+    return problems, found
+
+
+def test_pip_install_names_the_distribution() -> None:
+    """`pip install` of the project, in every doc, names pyproject's [project] name (the
+    name `tandem` on the package index is another project's)."""
+    project = distribution_name()
+    problems, found = [], 0
+    for path in [*doc_files(), ROOT / "deploy" / "README.md"]:
+        for code in parse(path).code:
+            more, count = install_problems(code, project)
+            problems += more
+            found += count
+    assert not problems, "installs under another name:\n  " + "\n  ".join(problems)
+    assert found, f"no doc says `pip install {project}`"
+    assert project == _normalized(cli.DISTRIBUTION), "tandem --version looks up another distribution than pyproject names"
