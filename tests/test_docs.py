@@ -353,3 +353,29 @@ def test_pip_install_names_the_distribution() -> None:
     assert not problems, "installs under another name:\n  " + "\n  ".join(problems)
     assert found, f"no doc says `pip install {project}`"
     assert project == _normalized(cli.DISTRIBUTION), "tandem --version looks up another distribution than pyproject names"
+
+
+# ---------------------------------------------------------------------------- the OpenAI API
+
+ENDPOINT = re.compile(r"`(GET|POST|PUT|PATCH|DELETE) (/[^`\s]*)`")
+
+
+def documented_endpoints() -> set[tuple[str, str]]:
+    """(method, path) of every row of docs/openai-api.md's endpoint table."""
+    rows = [line for line in (DOCS_DIR / "openai-api.md").read_text(encoding="utf-8").splitlines()
+            if line.startswith("| `")]
+    return {m.groups() for row in rows for m in ENDPOINT.finditer(row.split("|")[1])}
+
+
+def test_the_openai_endpoint_table_lists_every_route() -> None:
+    """The table in docs/openai-api.md and the routes build_app registers are the same."""
+    from fastapi.routing import APIRoute
+
+    from frontend_service.openai.app import FrontendView, build_app
+
+    app = build_app(FrontendView(servicer=None, model_path="", ready=lambda: False))
+    routes = {(method, r.path) for r in app.routes if isinstance(r, APIRoute) for method in r.methods}
+    documented = documented_endpoints()
+    assert routes, "build_app registered no route"
+    assert routes - documented == set(), "routes missing from docs/openai-api.md's table"
+    assert documented - routes == set(), "docs/openai-api.md lists endpoints the app does not serve"
