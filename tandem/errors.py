@@ -21,5 +21,10 @@ class PortInUseError(CLIError):
     """A port the command must listen on is held by another process."""
 
 
-class EngineStartError(CLIError):
+class StartError(CLIError):
+    """A service could not start: its engines never answered, kept loading past the
+    load timeout, or refused it (another model, a wrong token)."""
+
+
+class EngineStartError(StartError):
     """An engine process exited (or never became SERVING) during start-up."""

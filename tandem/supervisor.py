@@ -3,8 +3,8 @@
 Each engine runs in its own process group (a Ctrl-C in the terminal reaches only
 ``serve``, which shuts the stack down in order) and dies with ``serve`` even when that is
 SIGKILLed (``tandem.parent_death``). An engine that exits during start-up ends ``serve``
-with its last error line; one that exits while serving is restarted on the same port
-after an exponential back-off.
+with its last error line; one that is alive and loading its model is waited for; one
+that exits while serving is restarted on the same port after an exponential back-off.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import enum
 import logging
 import os
 import signal
@@ -26,6 +27,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tandem.errors import EngineStartError
+from tandem.health import LIVENESS
 from tandem.parent_death import guarded
 
 logger = logging.getLogger(__name__)
@@ -116,15 +118,26 @@ class EngineProcess:
             self.proc.wait(timeout=5)
 
 
-async def is_serving(address: str, timeout: float = 2.0) -> bool:
-    """Whether grpc.health.v1 at ``address`` reports SERVING (overall readiness)."""
+class Health(enum.Enum):
+    """What a process's grpc.health.v1 says during start-up."""
+
+    SERVING = "serving"  # ready
+    ALIVE = "alive"  # answers, liveness SERVING, not ready yet: loading its model, say
+    SILENT = "silent"  # no answer (not listening yet), or not alive
+
+
+async def health_of(address: str, timeout: float = 2.0) -> Health:
+    """Readiness ("") first, then liveness, of the process at ``address``."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
-            resp = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+            ready = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+            if ready.status == health_pb2.HealthCheckResponse.SERVING:
+                return Health.SERVING
+            live = await stub.Check(health_pb2.HealthCheckRequest(service=LIVENESS), timeout=timeout)
         except grpc.aio.AioRpcError:
-            return False
-    return resp.status == health_pb2.HealthCheckResponse.SERVING
+            return Health.SILENT
+    return Health.ALIVE if live.status == health_pb2.HealthCheckResponse.SERVING else Health.SILENT
 
 
 class EngineSupervisor:
@@ -139,10 +152,17 @@ class EngineSupervisor:
         for engine in self.engines:
             engine.start()
 
-    async def wait_serving(self, timeout: float) -> None:
-        """Return once every engine is SERVING; raise EngineStartError as soon as one exits
-        or when ``timeout`` seconds pass first."""
-        deadline = time.monotonic() + timeout
+    async def wait_serving(self, timeout: float, load_timeout: float = 0.0) -> None:
+        """Return once every engine is SERVING; raise EngineStartError as soon as one exits.
+
+        ``timeout`` bounds the wait for an engine that does not answer at all (from its
+        start, or from its last answer); one that answers alive and not ready (loading its
+        model) is waited for up to ``load_timeout`` seconds from its first such answer
+        (0: no bound). EngineStartError when either runs out.
+        """
+        start = time.monotonic()
+        last_answer = {e.index: start for e in self.engines}  # moved on by each ALIVE answer
+        loading_since: dict[int, float] = {}
         pending = list(self.engines)
         while pending:
             for engine in list(pending):
@@ -151,11 +171,21 @@ class EngineSupervisor:
                     raise EngineStartError(
                         f"{engine.kind} {engine.index} {engine.exit_reason(code)} (during start-up)"
                     )
-                if await is_serving(engine.address):
+                state = await health_of(engine.address)
+                now = time.monotonic()
+                name = f"{engine.kind} {engine.index} ({engine.address})"
+                if state is Health.SERVING:
                     pending.remove(engine)
-            if pending and time.monotonic() > deadline:
-                names = ", ".join(f"{e.kind} {e.index} ({e.address})" for e in pending)
-                raise EngineStartError(f"{names} not SERVING after {timeout:g} s")
+                elif state is Health.ALIVE:
+                    last_answer[engine.index] = now
+                    since = loading_since.setdefault(engine.index, now)
+                    if load_timeout and now - since > load_timeout:
+                        raise EngineStartError(
+                            f"{name} alive but not SERVING after {now - since:.0f} s of loading "
+                            f"(--load-timeout {load_timeout:g})"
+                        )
+                elif now - last_answer[engine.index] > timeout:
+                    raise EngineStartError(f"{name} did not answer within {timeout:g} s (--connect-timeout)")
             if pending:
                 await asyncio.sleep(_POLL_S)
 
