@@ -212,7 +212,7 @@ def test_make_targets_exist() -> None:
 
 # ------------------------------------------------------------------- tandem commands
 
-TANDEM_COMMAND = re.compile(r"(?<![\w.-])tandem\s+([a-z][a-z0-9-]*)")
+TANDEM_COMMAND = re.compile(r"(?<![\w./-])tandem\s+([a-z][a-z0-9-]*)")  # not a path's .../tandem
 FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*)")
 # Where a command's arguments end on a line: a comment, `&`, `&&`, `;` or an unescaped pipe
 # (tables escape the `|` of alternatives as `\|`).

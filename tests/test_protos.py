@@ -172,3 +172,15 @@ def test_repeated_scalars_are_packed() -> None:
     # 100 one-byte varints: packed is 1 tag + 1 length + 100 bytes, unpacked 200 bytes.
     msg = engine_pb2.EngineCoreOutput(new_token_ids=[1] * 100)
     assert msg.ByteSize() == 102
+
+
+def test_every_file_names_one_documented_go_package() -> None:
+    """Go users generate the contract without M mappings: one go_package, in every file,
+    as docs/serving.md states it (buf's FILE_SAME_GO_PACKAGE asks the same)."""
+    packages = {name: module.DESCRIPTOR.GetOptions().go_package for name, module in COMMITTED.items()}
+    assert len(set(packages.values())) == 1 and all(packages.values()), packages
+    go_package = next(iter(packages.values()))
+    import_path, _, package_name = go_package.partition(";")
+    assert import_path.endswith("/tandem/v1") and package_name == "tandemv1", go_package
+    serving = " ".join((REPO_ROOT / "docs" / "serving.md").read_text().split())
+    assert f'option go_package = "{go_package}"' in serving, "docs/serving.md does not state the go_package"
