@@ -16,7 +16,8 @@ products (4 * head_dim per visible query-key pair and head).
 
 ``--panel-int8`` (CPU, no Triton) times instead the native panel kernel's int8 weights
 with per-channel scales against group scales (GGUF Q8_0, 32 k a group) on bench-135m's
-shapes at 1 and 64 rows, the two alternated round by round (median per call).
+shapes at 1 and 64 rows, the two alternated round by round (per call: the median and
+the fastest round, the latter the steadier figure on a machine shared with other work).
 
 Without CUDA (and without --smoke or --panel-int8) it says so and exits 0. ``--smoke`` sets
 TRITON_INTERPRET=1 before importing triton, builds the full shape set (without
@@ -342,8 +343,9 @@ def report(cases: list[Case], env: Env) -> None:
 PANEL_INT8_SHAPES = ((576, 1536), (1536, 576), (49152, 576))
 
 
-def panel_int8_report(rows: tuple[int, ...] = (1, 64), rounds: int = 15) -> None:
-    """Per-channel vs grouped (Q8_0) int8 panels: milliseconds per ``panel_linear`` call."""
+def panel_int8_report(rows: tuple[int, ...] = (1, 64), rounds: int = 25) -> None:
+    """Per-channel vs grouped (Q8_0) int8 panels: milliseconds per ``panel_linear`` call
+    (median / fastest of ``rounds`` rounds)."""
     import torch
 
     from kernels.cpu_ops import native_available
@@ -360,7 +362,8 @@ def panel_int8_report(rows: tuple[int, ...] = (1, 64), rounds: int = 15) -> None
                 break
     isa = torch.ops.tandem_cpu.panel_kernel_isa()
     print(f"cpu: {cpu}   kernel: {isa}   threads: {torch.get_num_threads()}")
-    print(f"{'N x K':<12} {'rows':>5} {'per-channel ms':>15} {'grouped ms':>11} {'grouped/pc':>10}")
+    print(f"{'N x K':<12} {'rows':>5} {'per-channel ms (med/min)':>25} {'grouped ms (med/min)':>21} "
+          f"{'grouped/pc (med/min)':>21}")
     gen = torch.Generator().manual_seed(0)
     for n, k in PANEL_INT8_SHAPES:
         w = torch.randn(n, k, generator=gen)
@@ -381,7 +384,12 @@ def panel_int8_report(rows: tuple[int, ...] = (1, 64), rounds: int = 15) -> None
                         panel_linear(x, packed, None)
                     samples[name].append((time.perf_counter() - start) * 1e3 / calls)
             pc, gr = statistics.median(samples["pc"]), statistics.median(samples["grouped"])
-            print(f"{f'{n}x{k}':<12} {m:>5} {pc:>15.4f} {gr:>11.4f} {gr / pc:>10.2f}", flush=True)
+            pc_min, gr_min = min(samples["pc"]), min(samples["grouped"])
+            print(
+                f"{f'{n}x{k}':<12} {m:>5} {f'{pc:.4f} / {pc_min:.4f}':>25} {f'{gr:.4f} / {gr_min:.4f}':>21} "
+                f"{f'{gr / pc:.2f} / {gr_min / pc_min:.2f}':>21}",
+                flush=True,
+            )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -20,7 +20,8 @@ build targets the CPU it runs on). It serves two cases:
   (``[p, g, j]`` scales ``W[16p + j, group g : group (g + 1)]``, padded columns 1.0).
   Invariants: ``K % group == 0``, ``group`` even and dividing ``X_BLOCK`` (a group lies in
   one 16-bit block of x). x is rounded exactly as for per-channel int8; the kernel flushes
-  its int32 sums every group times x's block step and the group's scales. Every int8 path
+  its int32 sums into float32 every group, times the group's scales (and x's block step
+  once a block). Every int8 path
   (AVX-512 with or without VNNI, AVX2's integer and dequantized-tile loops, the portable
   loops, the ``torch.mm`` path, the argmax, the native decode loop, which passes
   ``scale`` through) takes either form: the kernel tells them apart by ``scale.dim()``.

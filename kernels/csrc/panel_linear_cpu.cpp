@@ -28,9 +28,10 @@
 // block's int32 sums (< 2^31: 128 pairs x 2 x 127 x 32767) are scaled into float32.
 // The AVX2 build takes that path below kInt8AsFloatRows rows only; from there a tile of
 // int8 panels is dequantized into float32 and run through the float loop.
-// Group scales: the int32 sums are flushed into the float32 sums every group of k (a
-// group never straddles a block of x), times x's block step and the group's 16 scales
-// of the panel; the per-channel scale is applied once at the end instead.
+// Group scales: the int32 sums are flushed into float32 every group of k (a group never
+// straddles a block of x) times the group's 16 scales of the panel, and those block sums
+// into the output's sums times x's block step; the per-channel scale is applied once at
+// the end instead.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -471,7 +472,8 @@ void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k_size, int32
 // block's int32 sums flushed into float32 once per block of x (span = kBlockPairs) times
 // x's step, the scale applied to the final sums. Grouped: `scale` [P, G, 16], the int32
 // sums flushed every `span` = group / 2 pairs (span divides kBlockPairs, so a group lies
-// in one block) times x's step * the group's scales of the panel; no final scale.
+// in one block) times the group's scales of the panel into the block's float32 sums,
+// those times x's step at the end of the block; no final scale.
 // `groups` = G (1 when per-channel). Panel p's scales for group g: scale + (p G + g) 16.
 struct Int8Scale {
   const float* scale;
@@ -497,6 +499,7 @@ inline void int8_block_kernel(const int32_t* xq, int64_t k2, const float* xs, in
                               const Int8Scale& sc, const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n) {
   constexpr int U = R * T >= 8 ? 1 : (R * T >= 4 ? 2 : 4);
   alignas(64) float accf[R][T][kLanes] = {};
+  alignas(64) float accb[R][T][kLanes];  // grouped: the block's sums, before x's step
   const int64_t panel_stride = k2 * 2 * kLanes;
   const int64_t span = Grouped ? sc.span : kBlockPairs;
   for (int64_t b = 0; b < nb; ++b) {
@@ -530,19 +533,33 @@ inline void int8_block_kernel(const int32_t* xq, int64_t k2, const float* xs, in
           for (int r = 0; r < R; ++r) iacc[0][r][t] = pair_dot(iacc[0][r][t], w, _mm512_set1_epi32(xq[r * k2 + i]));
         }
       }
-      __m512 gs[T];  // grouped: this group's scales of each panel
-      if constexpr (Grouped) {
+      if constexpr (Grouped) {  // into the block's sums, times the group's scales of each panel
         const int64_t g = i0 / span;
+        __m512 gs[T];
         for (int t = 0; t < T; ++t) gs[t] = _mm512_loadu_ps(sc.scale + ((n0 / kLanes + t) * sc.groups + g) * kLanes);
+        for (int r = 0; r < R; ++r)
+          for (int t = 0; t < T; ++t) {
+            __m512i sum = iacc[0][r][t];
+            for (int u = 1; u < U; ++u) sum = _mm512_add_epi32(sum, iacc[u][r][t]);
+            const __m512 prev = i0 == b * kBlockPairs ? _mm512_setzero_ps() : _mm512_load_ps(accb[r][t]);
+            _mm512_store_ps(accb[r][t], _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), gs[t], prev));
+          }
+      } else {
+        for (int r = 0; r < R; ++r) {
+          const __m512 step = _mm512_set1_ps(xs[r * nb + b]);
+          for (int t = 0; t < T; ++t) {
+            __m512i sum = iacc[0][r][t];
+            for (int u = 1; u < U; ++u) sum = _mm512_add_epi32(sum, iacc[u][r][t]);
+            _mm512_store_ps(accf[r][t], _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), step, _mm512_load_ps(accf[r][t])));
+          }
+        }
       }
+    }
+    if constexpr (Grouped) {  // the block's sums times x's step
       for (int r = 0; r < R; ++r) {
         const __m512 step = _mm512_set1_ps(xs[r * nb + b]);
-        for (int t = 0; t < T; ++t) {
-          __m512i sum = iacc[0][r][t];
-          for (int u = 1; u < U; ++u) sum = _mm512_add_epi32(sum, iacc[u][r][t]);
-          const __m512 f = Grouped ? _mm512_mul_ps(step, gs[t]) : step;
-          _mm512_store_ps(accf[r][t], _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), f, _mm512_load_ps(accf[r][t])));
-        }
+        for (int t = 0; t < T; ++t)
+          _mm512_store_ps(accf[r][t], _mm512_fmadd_ps(_mm512_load_ps(accb[r][t]), step, _mm512_load_ps(accf[r][t])));
       }
     }
   }
@@ -568,6 +585,7 @@ template <int R, int T, bool Grouped>
 inline void int8_block_kernel(const int32_t* xq, int64_t k2, const float* xs, int64_t nb, const int8_t* panel,
                               const Int8Scale& sc, const float* bias, float* out, int64_t ldo, int64_t n0, int64_t n) {
   alignas(32) float accf[R][T][kLanes] = {};
+  alignas(32) float accb[R][kLanes];  // grouped: panel t's sums over the block, before x's step
   const int64_t panel_stride = k2 * 2 * kLanes;
   const int64_t span = Grouped ? sc.span : kBlockPairs;
   for (int64_t b = 0; b < nb; ++b) {
@@ -592,15 +610,38 @@ inline void int8_block_kernel(const int32_t* xq, int64_t k2, const float* xs, in
             iacc[r][1] = _mm256_add_epi32(iacc[r][1], _mm256_madd_epi16(w1, xv));
           }
         }
-        const float* gs = Grouped ? sc.scale + ((n0 / kLanes + t) * sc.groups + i0 / span) * kLanes : nullptr;
+        if constexpr (Grouped) {  // into the block's sums, times the group's scales
+          const float* gs = sc.scale + ((n0 / kLanes + t) * sc.groups + i0 / span) * kLanes;
+          const bool first = i0 == i_begin;
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; ++h) {
+              float* a = accb[r] + 8 * h;
+              const __m256 prev = first ? _mm256_setzero_ps() : _mm256_load_ps(a);
+              _mm256_store_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][h]), _mm256_loadu_ps(gs + 8 * h), prev));
+            }
+          }
+        } else {
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) {
+            const __m256 step = _mm256_set1_ps(xs[r * nb + b]);
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; ++h) {
+              float* a = accf[r][t] + 8 * h;
+              _mm256_store_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][h]), step, _mm256_load_ps(a)));
+            }
+          }
+        }
+      }
+      if constexpr (Grouped) {  // the block's sums times x's step
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
           const __m256 step = _mm256_set1_ps(xs[r * nb + b]);
 #pragma GCC unroll 2
           for (int h = 0; h < 2; ++h) {
             float* a = accf[r][t] + 8 * h;
-            const __m256 f = Grouped ? _mm256_mul_ps(step, _mm256_loadu_ps(gs + 8 * h)) : step;
-            _mm256_store_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][h]), f, _mm256_load_ps(a)));
+            _mm256_store_ps(a, _mm256_fmadd_ps(_mm256_load_ps(accb[r] + 8 * h), step, _mm256_load_ps(a)));
           }
         }
       }
