@@ -20,11 +20,21 @@ convert the checkpoint with its ``convert_hf_to_gguf.py --outtype f32|q8_0``.
         --llama-bench .../build/bin/llama-batched-bench \\
         --gguf-f32 bench-f32.gguf --gguf-q8 bench-q8_0.gguf --batch-sizes 1,64
     python -m benchmarks.llama_cpp_peer             # Tandem only, tiny model (smoke)
+
+``--real`` runs real weights instead, the same GGUF files on both sides: the default model
+as shipped (SmolLM2-135M-Instruct, Q4_1) and F32 and Q8_0 files of the same weights written
+with ``engine_service.models.gguf_convert``. Tandem loads each file itself (F32 and Q4_1 as
+float32; Q8_0 through the int8 kernel with the file's own scales), and with
+``--llama-simple`` the F32 file's greedy answers to chat prompts are compared::
+
+    python -m benchmarks.llama_cpp_peer --real --llama-bench .../llama-batched-bench \
+        --llama-simple .../llama-simple
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import re
 import statistics
@@ -33,6 +43,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -131,6 +142,133 @@ def int8_accuracy(model: str, threads: int, num_prompts: int, prompt_len: int, g
             f"top-1 minus top-2 logprob there: median {margins[len(margins) // 2]:.4f} nats")
 
 
+# Chat prompts of the --real greedy comparisons.
+REAL_PROMPTS = [
+    "What is the capital of France?", "Name three primary colors.", "How many legs does a spider have?",
+    "Who wrote Romeo and Juliet?", "What is the largest ocean on Earth?", "Give me a synonym for happy.",
+    "What planet is known as the Red Planet?", "Explain photosynthesis in one sentence.",
+]
+
+
+def real_files(work_dir: str) -> dict[str, str]:
+    """The default model's GGUF as shipped (Q4_1), and F32 and Q8_0 files of its weights."""
+    from engine_service.models.gguf_convert import requantize_gguf
+    from tandem.model_source import default_model_file
+
+    files = {"Q4_1": default_model_file()}
+    for kind in ("F32", "Q8_0"):
+        path = os.path.join(work_dir, f"SmolLM2-135M-Instruct.{kind}.gguf")
+        if not os.path.isfile(path):
+            requantize_gguf(files["Q4_1"], path, kind)
+        files[kind] = path
+    return dict(sorted(files.items(), key=lambda kv: ("F32", "Q8_0", "Q4_1").index(kv[0])))
+
+
+def greedy_answers(core: EngineCore, tokenizer: Any, gen_len: int) -> list[str]:
+    """The engine's greedy answers to ``REAL_PROMPTS`` (chat template applied), as text."""
+    params = SamplingParams(max_tokens=gen_len, temperature=0.0)
+    tokens: dict[str, list[int]] = {}
+    for i, prompt in enumerate(REAL_PROMPTS):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        core.add_request(EngineCoreRequest(f"greedy-{i}", list(ids), params, eos_token_id=tokenizer.eos_token_id))
+        tokens[f"greedy-{i}"] = []
+    while core.has_unfinished_requests():
+        for out in core.step().all_outputs():
+            tokens[out.request_id].extend(out.new_token_ids)
+    return [tokenizer.decode(tokens[f"greedy-{i}"], skip_special_tokens=True).strip() for i in range(len(REAL_PROMPTS))]
+
+
+def llama_answers(binary: str, gguf: str, tokenizer: Any, gen_len: int, threads: int) -> list[str]:
+    """llama.cpp's greedy answers (``llama-simple``) to the same rendered chat prompts."""
+    answers = []
+    for prompt in REAL_PROMPTS:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             tokenize=False)
+        out = subprocess.run([binary, "-m", gguf, "-n", str(gen_len), text], capture_output=True, text=True,
+                             check=True).stdout
+        answer = out[out.find(text) + len(text):] if text in out else out
+        answers.append(answer.split("<|im_end|>")[0].strip())
+    return answers
+
+
+def run_real(args: argparse.Namespace) -> int:
+    """``--real``: both sides on the same real GGUF files."""
+    from transformers import AutoTokenizer
+
+    from tandem.model_source import resolve_model
+
+    work_dir = args.work_dir or tempfile.mkdtemp(prefix="tandem-real-gguf-")
+    os.makedirs(work_dir, exist_ok=True)
+    files = real_files(work_dir)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(files["F32"]))
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    cpu = _cpu_name()
+    print(f"CPU: {cpu}; load before: {load_average()}", flush=True)
+    rows, answers = [], {}
+    for kind, path in files.items():
+        core = EngineCore(EngineConfig(
+            model=path, num_threads=args.threads, max_num_seqs=max(max(sizes), len(REAL_PROMPTS)),
+            max_model_len=args.prompt_len + args.gen_len + 64, max_num_batched_tokens=max(2048, args.prompt_len),
+        ))
+        torch.set_num_threads(args.threads)
+        linear = core.model.layers[0].mlp.down_proj.packed_weight
+        how = f"int8, group {linear.group}" if getattr(linear, "group", 0) else "float32"
+        answers[kind] = greedy_answers(core, tokenizer, args.gen_len)
+        tandem_rates(core, 1, args.prompt_len, 4, seed=-1)  # first-use costs out of the timing
+        for batch in sizes:
+            best: dict[str, Rates] = {}
+            ratios = []
+            for r in range(args.repeats):
+                t = tandem_rates(core, batch, args.prompt_len, args.gen_len, seed=r)
+                best["tandem"] = max(best.get("tandem", t), t, key=lambda x: x.generation)
+                if args.llama_bench:
+                    lr = llama_rates(args.llama_bench, path, batch, args.prompt_len, args.gen_len, args.threads)
+                    best["peer"] = max(best.get("peer", lr), lr, key=lambda x: x.generation)
+                    ratios.append(t.generation / lr.generation)
+            t = best["tandem"]
+            rows.append([f"Tandem {kind} ({how})", batch, f"{t.prompt:.1f}", f"{t.generation:.1f}",
+                         f"{t.step_ms:.2f}", ""])
+            if "peer" in best:
+                lr = best["peer"]
+                rows.append([f"llama.cpp {kind}", batch, f"{lr.prompt:.1f}", f"{lr.generation:.1f}",
+                             f"{lr.step_ms:.2f}", f"{t.generation / lr.generation:.2f}x (runs "
+                             + " ".join(f"{x:.2f}" for x in ratios) + ")"])
+            print(format_table(["", "batch", "prompt tok/s", "gen tok/s", "ms/step", "Tandem gen / peer"],
+                               rows[-2 if "peer" in best else -1:]), flush=True)
+        del core
+    print(f"\nCPU: {cpu}; prompt {args.prompt_len}, generated {args.gen_len}, threads {args.threads}, best of "
+          f"{args.repeats}; load after: {load_average()}")
+    print(format_table(["", "batch", "prompt tok/s", "gen tok/s", "ms/step", "Tandem gen / peer"], rows))
+    n = len(REAL_PROMPTS)
+    for kind in ("Q8_0", "Q4_1"):
+        same = sum(a == b for a, b in zip(answers[kind], answers["F32"]))
+        print(f"Tandem {kind} vs Tandem F32, greedy answers to {n} chat prompts ({args.gen_len} tokens): "
+              f"{same}/{n} identical")
+    if args.llama_simple:
+        theirs = llama_answers(args.llama_simple, files["F32"], tokenizer, args.gen_len, args.threads)
+        same = sum(a == b for a, b in zip(answers["F32"], theirs))
+        print(f"F32 greedy answers, Tandem vs llama.cpp (llama-simple): {same}/{n} identical")
+        for mine, other in zip(answers["F32"], theirs):
+            if mine != other:
+                print(f"  Tandem:    {mine!r}\n  llama.cpp: {other!r}")
+    print(f"Tandem F32's answer to {REAL_PROMPTS[0]!r}: {answers['F32'][0]!r}")
+    return 0
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            info = f.read()
+    except OSError:
+        return "unknown"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    isa = "AVX-512" + (" VNNI" if "avx512_vnni" in flags else "") if "avx512f" in flags else (
+        "AVX2" if "avx2" in flags else "no AVX2")
+    return f"{name} ({os.cpu_count()} CPUs, {isa})"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="", help="checkpoint directory; default: a tiny model made here")
@@ -145,7 +283,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default="fp32,int8", help="Tandem configurations (default fp32,int8)")
     p.add_argument("--accuracy-prompts", type=int, default=16,
                    help="prompts of the int8 vs float32 accuracy check (default 16; 0: skip)")
+    p.add_argument("--real", action="store_true",
+                   help="real weights: the default model's GGUF files (Q4_1 as shipped, F32 and Q8_0 written "
+                   "from it), the same file on both sides")
+    p.add_argument("--llama-simple", default="", help="--real: path of llama-simple, for the F32 greedy answers")
+    p.add_argument("--work-dir", default="", help="--real: where the F32 and Q8_0 files are written (reused)")
     args = p.parse_args(argv)
+    if args.real:
+        return run_real(args)
     model = args.model
     if not model:
         from engine_service.make_model import make_model

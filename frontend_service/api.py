@@ -8,7 +8,7 @@ from typing import Any
 from frontend_service.outputs import CompletionOutput, Logprob, RequestOutput
 from frontend_service.sessions import SessionChunk
 from tandem.protocol import convert
-from tandem.protocol.sampling_params import InvalidRequestError, SamplingParams
+from tandem.protocol.sampling_params import InvalidRequestError, SamplingDefaults, SamplingParams
 from tandem.v1 import common_pb2, frontend_pb2
 
 
@@ -20,10 +20,12 @@ class GenerateArgs:
     kwargs: dict[str, Any]
 
 
-def generate_args_from_proto(msg: frontend_pb2.GenerateRequest) -> GenerateArgs:
+def generate_args_from_proto(
+    msg: frontend_pb2.GenerateRequest, defaults: SamplingDefaults | None = None
+) -> GenerateArgs:
     # No sampling_params reads as an empty message: every field its documented default
-    # (output_kind DELTA included).
-    params = convert.sampling_params_from_proto(msg.sampling_params)
+    # (output_kind DELTA included), or the model's own setting (``defaults``).
+    params = convert.sampling_params_from_proto(msg.sampling_params, defaults)
     kind = msg.WhichOneof("input")
     kwargs: dict[str, Any] = {
         "request_id": msg.request_id if msg.HasField("request_id") else None,
@@ -142,7 +144,9 @@ def embed_inputs_from_proto(msg: frontend_pb2.EmbedRequest) -> list[dict[str, An
     return out
 
 
-def session_chunk_from_proto(msg: frontend_pb2.GenerateSessionRequest) -> SessionChunk:
+def session_chunk_from_proto(
+    msg: frontend_pb2.GenerateSessionRequest, defaults: SamplingDefaults | None = None
+) -> SessionChunk:
     """A GenerateSessionRequest as the AsyncLLM's SessionChunk (sampling params only if set)."""
     kind = msg.WhichOneof("input")
     if kind is None:
@@ -151,7 +155,9 @@ def session_chunk_from_proto(msg: frontend_pb2.GenerateSessionRequest) -> Sessio
         prompt=msg.prompt if kind == "prompt" else None,
         prompt_token_ids=list(msg.prompt_token_ids.token_ids) if kind == "prompt_token_ids" else None,
         sampling_params=(
-            convert.sampling_params_from_proto(msg.sampling_params) if msg.HasField("sampling_params") else None
+            convert.sampling_params_from_proto(msg.sampling_params, defaults)
+            if msg.HasField("sampling_params")
+            else None
         ),
         add_special_tokens=msg.add_special_tokens if msg.HasField("add_special_tokens") else None,
     )

@@ -53,7 +53,7 @@ from tandem.protocol.outputs import (
     RequestError,
     TokenColumns,
 )
-from tandem.protocol.sampling_params import RequestOutputKind, SamplingParams
+from tandem.protocol.sampling_params import RequestOutputKind, SamplingDefaults, SamplingParams
 from tandem.telemetry import Tracing
 
 logger = logging.getLogger(__name__)
@@ -82,6 +82,7 @@ class AsyncLLM(
         migration: MigrationConfig | None = None,
         disaggregated: bool = False,
         stream_interval: int = 1,
+        sampling_defaults: SamplingDefaults | None = None,
     ) -> None:
         """``admission``: the bound on requests in progress (None: unbounded);
         ``migration``: what happens to requests of a lost engine (default: they move on);
@@ -89,6 +90,8 @@ class AsyncLLM(
         (disaggregation.py); ``stream_interval``: tokens per streamed output
         (``OutputFlow.stream_interval``)."""
         self.tokenizer = tokenizer
+        # The model's own sampling settings, for what a request leaves unset (the edges apply them).
+        self.sampling_defaults = sampling_defaults or SamplingDefaults()
         self.engines = engines
         self.input_processor = input_processor
         self.output_processor = OutputProcessor(tokenizer, stream_interval)

@@ -56,7 +56,7 @@ class GenerationServicer(frontend_pb2_grpc.GenerationServicer):
         await self._require_ready(context)
         await self._refuse_while_draining(context)
         try:
-            args = api.generate_args_from_proto(request)
+            args = api.generate_args_from_proto(request, self.llm.sampling_defaults)
             metadata = dict(context.invocation_metadata() or ())
             trace = {k: metadata[k] for k in TRACE_METADATA_KEYS if k in metadata}
             first = True
@@ -93,7 +93,7 @@ class GenerationServicer(frontend_pb2_grpc.GenerationServicer):
             async def chunks() -> AsyncIterator[Any]:
                 msg = first_msg
                 while msg is not None:
-                    chunk = api.session_chunk_from_proto(msg)
+                    chunk = api.session_chunk_from_proto(msg, self.llm.sampling_defaults)
                     turn["params"] = chunk.sampling_params or turn["params"]
                     turn["first"] = True
                     turn["index"] += 1

@@ -185,11 +185,12 @@ def test_perplexity_matches_transformers(llm: LLM, hf: tuple[Any, Any]) -> None:
 
 
 @pytest.fixture(scope="module")
-def stack(gguf_file: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, int]]:
-    """An engine and a frontend started with ``--model FILE.gguf``, and the HTTP port."""
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, int]]:
+    """An engine and a frontend started as ``make serve`` starts them (no --model: the default
+    model), and the HTTP port."""
     http_port = free_port()
     logs = tmp_path_factory.mktemp("real_model_logs")
-    with start_stack(gguf_file, 1, logs, STACK_ENGINE_ARGS, http_port=http_port) as s:
+    with start_stack("", 1, logs, STACK_ENGINE_ARGS, http_port=http_port) as s:
         yield s, http_port
 
 
@@ -237,6 +238,18 @@ def test_greedy_over_grpc_and_openai_matches_transformers(
     assert "Paris" in texts[0], texts[0]
 
 
+def test_a_first_chat_request_answers_in_english(stack: tuple[Stack, int]) -> None:
+    """The README's first request, with no sampling settings: the default model's own
+    (greedy, its sidecar's generation_config.json) apply, not the API's temperature 1.0."""
+    _, http_port = stack
+    body = json.dumps({"messages": chat("What is the capital of France?"), "max_tokens": 32}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{http_port}/v1/chat/completions", body,
+                                     {"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as reply:
+        answer = json.load(reply)["choices"][0]["message"]["content"]
+    assert answer == "The capital of France is Paris.", answer
+
+
 def test_served_model_name_is_the_file_stem(stack: tuple[Stack, int]) -> None:
     s, http_port = stack
     with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v1/models", timeout=30) as reply:
@@ -244,3 +257,34 @@ def test_served_model_name_is_the_file_stem(stack: tuple[Stack, int]) -> None:
     assert names == ["SmolLM2-135M-Instruct.Q4_1"]
     with pytest.raises(grpc.RpcError):  # the stack still answers errors as errors
         list(s.generation_stub().Generate(frontend_pb2.GenerateRequest(), timeout=30))
+
+
+@pytest.fixture(scope="module")
+def q8_0_file(gguf_file: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The same weights as a Q8_0 GGUF, written with the gguf package's writer."""
+    from engine_service.models.gguf_convert import requantize_gguf
+
+    path = str(tmp_path_factory.mktemp("q8_0") / "SmolLM2-135M-Instruct.Q8_0.gguf")
+    requantize_gguf(gguf_file, path, "Q8_0")
+    return path
+
+
+def test_q8_0_runs_as_int8_with_its_own_scales(q8_0_file: str) -> None:
+    """Q8_0 matrices become int8 panels with their per-32 scales, values untouched: greedy
+    answers equal the same file dequantized to float32 (the x-rounding of the int8 kernel
+    is the only difference)."""
+    from kernels.panel_linear import PanelWeight
+
+    with LLM(q8_0_file, num_threads=2) as int8_llm:
+        model = int8_llm.engine.model
+        for packed in (model.layers[0].self_attn.qkv_proj.packed_weight, model.layers[-1].mlp.down_proj.packed_weight,
+                       model.lm_head_packed):
+            assert isinstance(packed, PanelWeight) and packed.panels.dtype == torch.int8 and packed.group == 32
+        int8_out = int8_llm.generate([chat(p) for p in PROMPTS], greedy())
+    with LLM(q8_0_file, num_threads=2, quantization="none") as float_llm:
+        packed = float_llm.engine.model.layers[0].self_attn.qkv_proj.packed_weight
+        assert not isinstance(packed, PanelWeight) or packed.panels.dtype == torch.float32
+        float_out = float_llm.generate([chat(p) for p in PROMPTS], greedy())
+    same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(int8_out, float_out))
+    assert same >= 14, f"int8 Q8_0 equals its float32 dequantization on {same}/16 prompts"
+    assert "Paris" in int8_out[0].outputs[0].text

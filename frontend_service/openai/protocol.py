@@ -15,7 +15,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from tandem.protocol.pooling_params import PoolingParams
-from tandem.protocol.sampling_params import InvalidRequestError, RequestOutputKind, SamplingParams
+from tandem.protocol.sampling_params import (
+    InvalidRequestError,
+    RequestOutputKind,
+    SamplingDefaults,
+    SamplingParams,
+)
 from tandem.protocol.structured_output import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -123,21 +128,23 @@ class _SamplingBody(_Body):
     def _logprobs(self) -> int | None:
         return None
 
-    def sampling_params(self) -> SamplingParams:
-        """The request's SamplingParams (not yet validated: AsyncLLM does that)."""
+    def sampling_params(self, defaults: SamplingDefaults | None = None) -> SamplingParams:
+        """The request's SamplingParams (not yet validated: AsyncLLM does that); fields it
+        leaves unset take the model's own settings (``defaults``) where it has them."""
+        own = defaults or SamplingDefaults()
         if self.stream_options is not None and not self.stream:
             raise InvalidRequestError("stream_options", "...", "only allowed when stream is true")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            temperature=own.pick("temperature", self.temperature, 1.0),
+            top_p=own.pick("top_p", self.top_p, 1.0),
+            top_k=own.pick("top_k", self.top_k, None),
+            min_p=own.pick("min_p", self.min_p, 0.0),
             seed=self.seed,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=own.pick("repetition_penalty", self.repetition_penalty, 1.0),
             logit_bias=_logit_bias(self.logit_bias),
             max_tokens=self._max_tokens(),
             min_tokens=self.min_tokens,

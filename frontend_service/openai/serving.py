@@ -141,7 +141,7 @@ class _Stream:
 
 async def completions(call: Call, req: CompletionRequest) -> dict[str, Any] | AsyncIterator[bytes]:
     req.check()
-    params = req.sampling_params()
+    params = req.sampling_params(call.llm.sampling_defaults)
     if req.echo and req.logprobs is not None:
         params = replace(params, prompt_logprobs=req.logprobs)
     request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -266,7 +266,7 @@ async def _completion_response(
 
 async def chat(call: Call, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[bytes]:
     req.check()
-    params = req.sampling_params()
+    params = req.sampling_params(call.llm.sampling_defaults)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     extra = {"trace_headers": call.trace_headers, "priority": req.priority,
              "cache_salt": req.cache_salt, "add_generation_prompt": req.add_generation_prompt,

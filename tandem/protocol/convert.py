@@ -54,6 +54,7 @@ from tandem.protocol.pooling_params import PoolingParams
 from tandem.protocol.sampling_params import (
     InvalidRequestError,
     RequestOutputKind,
+    SamplingDefaults,
     SamplingParams,
     int64_seed,
 )
@@ -116,6 +117,7 @@ class EngineDeadError(RuntimeError):
 
 # Domain defaults that unset optional proto fields stand for.
 _SP_DEFAULTS = SamplingParams()
+_NO_MODEL_DEFAULTS = SamplingDefaults()
 _MAX_FINISH_REASON = max(FinishReason)
 _NUM_OUTPUT_KINDS = len(RequestOutputKind)
 
@@ -219,25 +221,31 @@ def structured_outputs_from_proto(msg: common_pb2.StructuredOutputs) -> Structur
     )
 
 
-def sampling_params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Unset fields take the proto's documented defaults. Does not validate ranges:
-    call ``SamplingParams.validate`` on the result."""
+def sampling_params_from_proto(
+    msg: common_pb2.SamplingParams, defaults: SamplingDefaults | None = None
+) -> SamplingParams:
+    """Unset fields take the model's own settings (``defaults``, from its generation
+    config) where it has them, else the proto's documented defaults. Does not validate
+    ranges: call ``SamplingParams.validate`` on the result."""
     has = msg.HasField
     d = _SP_DEFAULTS
+    own = defaults or _NO_MODEL_DEFAULTS
+
+    def sampling(name: str, fallback: Any) -> Any:
+        return own.pick(name, getattr(msg, name) if has(name) else None, fallback)
+
     return SamplingParams(
         n=msg.n if msg.HasField("n") else 1,
-        temperature=msg.temperature if has("temperature") else d.temperature,
-        top_p=msg.top_p if has("top_p") else d.top_p,
-        top_k=msg.top_k if has("top_k") else None,
-        min_p=msg.min_p if has("min_p") else d.min_p,
+        temperature=sampling("temperature", d.temperature),
+        top_p=sampling("top_p", d.top_p),
+        top_k=sampling("top_k", None),
+        min_p=sampling("min_p", d.min_p),
         seed=msg.seed if has("seed") else None,
         presence_penalty=msg.presence_penalty if has("presence_penalty") else d.presence_penalty,
         frequency_penalty=(
             msg.frequency_penalty if has("frequency_penalty") else d.frequency_penalty
         ),
-        repetition_penalty=(
-            msg.repetition_penalty if has("repetition_penalty") else d.repetition_penalty
-        ),
+        repetition_penalty=sampling("repetition_penalty", d.repetition_penalty),
         logit_bias=dict(msg.logit_bias) or None,
         allowed_token_ids=list(msg.allowed_token_ids) or None,
         max_tokens=msg.max_tokens if has("max_tokens") else None,

@@ -187,3 +187,44 @@ def _token_ids_in_vocab(name: str, ids: list[int], vocab_size: int) -> None:
     for token in ids:
         if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
             raise InvalidRequestError(name, token, f"token id outside the vocabulary [0, {vocab_size})")
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """A model's own sampling settings (its ``generation_config.json``), used for every field a
+    request leaves unset, as vLLM does with ``--generation-config auto``. None: the field's
+    usual default (temperature 1.0, top_p 1.0, no top_k, min_p 0, repetition_penalty 1.0)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+
+    FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str) -> SamplingDefaults:
+        """The settings in ``model_dir/generation_config.json`` (none if it has no such file)."""
+        import json
+        import os
+
+        path = os.path.join(model_dir, "generation_config.json")
+        if not os.path.isfile(path):
+            return cls()
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+        values = {name: raw.get(name) for name in cls.FIELDS}
+        if values["top_k"] is not None and values["top_k"] <= 0:
+            values["top_k"] = None  # transformers' 0 / -1: no top-k
+        return cls(**{k: v for k, v in values.items() if isinstance(v, int | float) and not isinstance(v, bool)})
+
+    def pick(self, name: str, value: Any, fallback: Any) -> Any:
+        """``value`` if the request set it (not None), else this model's setting, else ``fallback``."""
+        if value is not None:
+            return value
+        own = getattr(self, name)
+        return fallback if own is None else own
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {name: getattr(self, name) for name in self.FIELDS if getattr(self, name) is not None}
