@@ -12,7 +12,9 @@
 //   block_tables [T, max_blocks] int32, seq_lens [T] int32, token_index = seq_index =
 //   [T] int64 (0..T-1), cos_sin_cache [max_pos, head_dim] float32,
 //   key_caches / value_caches: L tensors [num_blocks, block_size, kv_heads, head_dim],
-//   weights: L x kPerLayer tensors in the order of the Slot enum (absent: empty tensor),
+//   weights: L x kPerLayer tensors in the order of the Slot enum (absent: empty tensor);
+//     a projection's panels, scale and bias go to tandem_cpu::panel_linear as they are, so
+//     an int8 scale may be per channel [16P] or per group [P, K / group, 16] (GGUF Q8_0),
 //   final_norm [H].
 // Returns the final RMSNorm of the residual stream, [T, H].
 #include <ATen/ATen.h>
