@@ -395,7 +395,8 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                    "none: the API defaults (temperature 1.0, ...) (env TANDEM_GENERATION_CONFIG).")
     p.add_argument("--tokenizer", default=env("TANDEM_TOKENIZER", ""),
                    help="A tokenizer to use instead of the model's: a checkpoint directory or a .gguf "
-                   "file (env TANDEM_TOKENIZER); the engines must be given the same one.")
+                   "file (env TANDEM_TOKENIZER); the engines must be given the same one. Default: "
+                   "the model's.")
     p.add_argument("--host", default=env("TANDEM_FRONTEND_HOST", "0.0.0.0"),
                    help="Listen address (env TANDEM_FRONTEND_HOST).")
     p.add_argument("--port", type=int, default=int(env("TANDEM_FRONTEND_PORT", "50051")),

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Literal, NoReturn
 
 from engine_service.config import ConfigError
+from tandem import DISTRIBUTION
 from tandem.errors import CLIError, UsageError
 from tandem.model_source import resolve_model
 from tandem.protocol.model_config import ModelLoadError, check_checkpoint_dir
@@ -81,11 +82,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
-
-
-# The distribution's name on the package index (pyproject.toml's [project] name): the
-# command is `tandem`, the project is installed as `pip install tandem-serving`.
-DISTRIBUTION = "tandem-serving"
 
 
 def package_version() -> str:
@@ -154,11 +150,12 @@ def _check_model(command: Subcommand | None, args: argparse.Namespace) -> None:
     directory and check it holds what the command needs; a problem is one usage line."""
     if command is None or command.checkpoint is None or not hasattr(args, "model"):
         return
+    named = args.model or ""
     try:
-        args.model = resolve_model(args.model or "")
+        args.model = resolve_model(named)
         check_checkpoint_dir(args.model, weights=command.checkpoint == "weights")
     except ModelLoadError as exc:
-        raise UsageError(f"--model {exc}") from None
+        raise UsageError(f"--model {exc}" if named else str(exc)) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

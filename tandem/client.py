@@ -22,8 +22,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=int(os.environ.get("TANDEM_FRONTEND_PORT", "50051")),
                    help="Frontend port on 127.0.0.1 when --target is not given (env TANDEM_FRONTEND_PORT).")
     p.add_argument("--max-tokens", type=positive_int, default=64, help="Most tokens to generate.")
-    p.add_argument("--temperature", type=non_negative_float, default=0.8,
-                   help="Sampling temperature; 0: greedy.")
+    p.add_argument("--temperature", type=non_negative_float, default=None,
+                   help="Sampling temperature; 0: greedy. Default: the model's own setting (its "
+                   "generation_config.json; the default model is greedy), else 1.0.")
     p.add_argument("--seed", type=int, default=None, help="Sampling seed; default: none (not reproducible).")
     p.add_argument("--chat", action="store_true", help="Send the prompt as one user chat message.")
     p.add_argument("--timeout", type=non_negative_float, default=300.0,
@@ -36,11 +37,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
 
 
 def build_request(args: argparse.Namespace) -> frontend_pb2.GenerateRequest:
-    params = common_pb2.SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        output_kind=common_pb2.OUTPUT_KIND_DELTA,
-    )
+    params = common_pb2.SamplingParams(max_tokens=args.max_tokens, output_kind=common_pb2.OUTPUT_KIND_DELTA)
+    if args.temperature is not None:  # unset: the frontend applies the model's own setting
+        params.temperature = args.temperature
     if args.seed is not None:
         params.seed = args.seed
     req = frontend_pb2.GenerateRequest(sampling_params=params)

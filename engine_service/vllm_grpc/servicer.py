@@ -363,7 +363,9 @@ def _config_int(model_dir: str, key: str) -> int:
 def _tandem_version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
+    from tandem import DISTRIBUTION
+
     try:
-        return f"tandem-{version('tandem')}"
+        return f"tandem-{version(DISTRIBUTION)}"
     except PackageNotFoundError:
         return "tandem"
