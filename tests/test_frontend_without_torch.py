@@ -152,6 +152,37 @@ def test_frontend_imports_no_torch_in_the_full_install() -> None:
     assert proc.returncode == 0, proc.stderr
 
 
+def test_a_gguf_file_is_read_without_torch(frontend_install: dict[str, str], tmp_path: Path) -> None:
+    """The frontend reads a GGUF file's config, tokenizer and chat template from its metadata
+    in the torch-free install; the result equals the full install's (transformers' own GGUF
+    tokenizer, which needs torch there)."""
+    from tandem.model_source import default_model_file
+
+    gguf_file = default_model_file()
+    code = (
+        "import sys, json\n"
+        "from tandem.model_source import resolve_model\n"
+        "from transformers import AutoTokenizer\n"
+        f"d = resolve_model({gguf_file!r})\n"
+        "tok = AutoTokenizer.from_pretrained(d)\n"
+        "assert 'torch' not in sys.modules\n"
+        "msgs = [{'role': 'user', 'content': 'What is the capital of France?'}]\n"
+        "print(json.dumps([tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),\n"
+        "                  tok.encode('The capital of France is Paris.'), json.load(open(d + '/config.json'))]))\n"
+    )
+    proc = run_python(code, {**frontend_install, "TANDEM_CACHE_DIR": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    rendered, ids, config = json.loads(proc.stdout)
+    from transformers import AutoTokenizer
+
+    folder, name = os.path.split(gguf_file)
+    theirs = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    assert rendered == theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ids == theirs.encode("The capital of France is Paris.")
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 30
+
+
 # ---- a real frontend, end to end ------------------------------------------------------------
 
 
