@@ -106,11 +106,15 @@ def hf_config(meta: GGUFMetadata) -> dict[str, Any]:
         )
     # llama.cpp writes an output matrix only when it is not the embedding matrix.
     config["tie_word_embeddings"] = "output.weight" not in meta.tensors
-    for name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
-                      ("pad_token_id", "padding_token_id")):
+    for name, key in (("bos_token_id", "bos_token_id"), ("pad_token_id", "padding_token_id")):
         value = meta.fields.get(f"tokenizer.ggml.{key}")
         if value is not None:
             config[name] = value
+    # Every end-of-generation token llama.cpp stops at: end of sequence, of turn, of message.
+    eos = [meta.fields[f"tokenizer.ggml.{key}"] for key in ("eos_token_id", "eot_token_id", "eom_token_id")
+           if meta.fields.get(f"tokenizer.ggml.{key}") is not None]
+    if eos:
+        config["eos_token_id"] = list(dict.fromkeys(eos)) if len(set(eos)) > 1 else eos[0]
     return config
 
 

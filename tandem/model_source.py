@@ -41,7 +41,7 @@ _DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # capital of France?" is a near tie ("The" -1.88, "L" -1.97 nats): 2 of 6 seeds answered in
 # broken French. Requests that set a temperature get it.
 DEFAULT_GENERATION_CONFIG = {"temperature": 0.0}
-SIDECAR_VERSION = 1  # bump when the sidecar's files change
+SIDECAR_VERSION = 2  # bump when the sidecar's files change
 
 
 def cache_dir() -> str:

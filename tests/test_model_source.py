@@ -40,6 +40,7 @@ def write_gguf(model_dir: str, path: str, qtype: str = "F32", tensor_types: dict
     converter lays it out: its tensor names, q/k rows permuted, metadata keys."""
     config = ModelConfig.from_pretrained(model_dir)
     arch = config.model_type
+    gguf_arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch)
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(config.num_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -64,6 +65,8 @@ def write_gguf(model_dir: str, path: str, qtype: str = "F32", tensor_types: dict
     writer.add_token_types([gguf.TokenType.CONTROL if i in added else gguf.TokenType.NORMAL for i in range(len(tokens))])
     writer.add_token_merges(merges)
     writer.add_eos_token_id(config.eos_token_ids[0])
+    if len(config.eos_token_ids) > 1:
+        writer.add_eot_token_id(config.eos_token_ids[1])
     if config.bos_token_id is not None:
         writer.add_bos_token_id(config.bos_token_id)
     writer.add_add_bos_token(False)
@@ -73,12 +76,12 @@ def write_gguf(model_dir: str, path: str, qtype: str = "F32", tensor_types: dict
         template = Path(model_dir, "chat_template.jinja").read_text(encoding="utf-8")
     if template:
         writer.add_chat_template(template)
-    table = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_layers)
+    table = gguf.get_tensor_name_map(gguf_arch, config.num_layers)
     for name, tensor in load_file(os.path.join(model_dir, "model.safetensors")).items():
         values = tensor.float().numpy()
-        if name.endswith("q_proj.weight"):
+        if arch == "llama" and name.endswith("q_proj.weight"):  # llama.cpp permutes Llama's only
             values = _permute(values, config.num_heads)
-        elif name.endswith("k_proj.weight"):
+        elif arch == "llama" and name.endswith("k_proj.weight"):
             values = _permute(values, config.num_kv_heads)
         gguf_name = table.get_name(name, try_suffixes=(".weight", ".bias"))
         kind = (tensor_types or {}).get(gguf_name, qtype)
@@ -126,10 +129,20 @@ def test_a_gguf_file_resolves_to_a_sidecar_checkpoint(tiny_gguf: str, tiny_llama
     )
 
 
-def test_gguf_weights_equal_the_checkpoint(tiny_gguf: str, tiny_llama_dir: str) -> None:
-    """Names mapped, Llama's q/k permutation undone: the same model, tensor for tensor."""
-    ours, _ = load_model(resolve_model(tiny_gguf))
-    theirs, _ = load_model(tiny_llama_dir)
+@pytest.mark.parametrize("family", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
+def test_gguf_weights_equal_the_checkpoint(family: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    """Every family transformers' GGUF reader maps to one Tandem serves loads: names mapped
+    (Qwen2's biases, Qwen3's q/k norms), Llama's q/k permutation undone: the same model,
+    tensor for tensor."""
+    model_dir = request.getfixturevalue(family)
+    path = str(tmp_path / f"{family}.gguf")
+    write_gguf(model_dir, path)
+    sidecar = resolve_model(path)
+    ours_config, their_config = ModelConfig.from_pretrained(sidecar), ModelConfig.from_pretrained(model_dir)
+    for name in ("architecture", "features", "head_dim", "num_kv_heads", "tie_word_embeddings", "eos_token_ids"):
+        assert getattr(ours_config, name) == getattr(their_config, name), name
+    ours, _ = load_model(sidecar)
+    theirs, _ = load_model(model_dir)
     mine = dict(ours.named_parameters())
     for name, param in theirs.named_parameters():
         torch.testing.assert_close(mine[name], param, rtol=0, atol=0, msg=name)
