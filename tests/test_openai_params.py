@@ -20,7 +20,7 @@ from frontend_service.openai.app import FrontendView
 from frontend_service.openai.server import HttpServer
 from frontend_service.outputs import CompletionOutput, RequestOutput, RequestUsage
 from tandem.protocol.outputs import ErrorCode, RequestError
-from tandem.protocol.sampling_params import RequestOutputKind, SamplingParams
+from tandem.protocol.sampling_params import RequestOutputKind, SamplingDefaults, SamplingParams
 from tandem.protocol.structured_output import StructuredOutputsParams
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -40,6 +40,7 @@ class FakeLLM:
     tokenizer: Any = None
     # No LoRA adapters: every model name but the served one is unknown.
     loras: Any = field(default_factory=lambda: SimpleNamespace(get=lambda name: None, by_name={}))
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)  # the model's own settings
 
     async def generate(self, params: SamplingParams, **kwargs: Any) -> AsyncIterator[RequestOutput]:
         self.calls.append((params, kwargs))
@@ -105,6 +106,16 @@ def test_structured_outputs_reach_generate(body: dict[str, Any], expected: Struc
     (status, reply, _), = run(FakeServicer(llm), completion(**body))
     assert status == 200, reply
     assert llm.calls[0][0].structured_outputs == expected
+
+
+def test_the_model_s_sampling_defaults_fill_what_a_request_leaves_unset() -> None:
+    llm = FakeLLM(sampling_defaults=SamplingDefaults(temperature=0.0, top_k=20))
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    run(FakeServicer(llm), ("/v1/chat/completions", body, {}))
+    run(FakeServicer(llm), ("/v1/chat/completions", {**body, "temperature": 0.7, "top_k": 3}, {}))
+    (unset, _), (given, _) = llm.calls
+    assert (unset.temperature, unset.top_k, unset.top_p) == (0.0, 20, 1.0)
+    assert (given.temperature, given.top_k) == (0.7, 3)
 
 
 def test_sampling_params_and_context_reach_generate() -> None:
