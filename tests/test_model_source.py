@@ -252,3 +252,15 @@ def test_the_models_page_lists_what_the_code_accepts() -> None:
     assert architectures == SUPPORTED_ARCHITECTURES
     types = [row[0] for row in _table_after("Tensor\ntypes:")]
     assert types == list(TENSOR_TYPES)
+
+
+def test_tokenizer_overrides_the_model_s(tiny_llama_dir: str, tiny_gguf: str) -> None:
+    """``tokenizer=`` (``--tokenizer``): the frontend side and the engine read that one."""
+    from frontend_service import LLM, SamplingParams
+
+    with LLM(tiny_llama_dir, tokenizer=tiny_gguf, max_model_len=128, kv_cache_memory_bytes=4_000_000) as llm:
+        sidecar = resolve_model(tiny_gguf)
+        assert llm.engine.config.tokenizer == sidecar and llm.engine.config.model == tiny_llama_dir
+        assert llm.tokenizer.name_or_path == sidecar
+        (out,) = llm.generate("Hello", SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        assert len(out.outputs[0].token_ids) == 2
