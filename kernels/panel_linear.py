@@ -14,10 +14,13 @@ build targets the CPU it runs on). It serves two cases:
   (in cache) and run the float32 loop instead, on unrounded x. Prefill-sized products
   (``gemm_min_rows``) run the dequantized weight through ``torch.mm`` where that is faster.
 - **grouped int8** (GGUF Q8_0 and the like, ``pack_panels_grouped``): the int8 values
-  used as they are, with one float32 scale per output row and group of ``group``
-  consecutive k (``W[n, k] = scale[n, k // group] * q[n, k]``; Q8_0: ``group = 32``).
+  used as they are, with one float16 scale per output row and group of ``group``
+  consecutive k (``W[n, k] = scale[n, k // group] * q[n, k]``; Q8_0: ``group = 32``, whose
+  scales are float16 in the file: exact; other scales are rounded to the nearest float16).
   The panels are laid out as per-channel int8 panels; ``scale`` is ``[P, K / group, 16]``
-  (``[p, g, j]`` scales ``W[16p + j, group g : group (g + 1)]``, padded columns 1.0).
+  float16 (``[p, g, j]`` scales ``W[16p + j, group g : group (g + 1)]``, padded columns
+  1.0), widened to float32 in registers: half the bytes of float32 scales streamed beside
+  the panels (a sixteenth of the int8 bytes at group 32, not an eighth).
   Invariants: ``K % group == 0``, ``group`` even and dividing ``X_BLOCK`` (a group lies in
   one 16-bit block of x). x is rounded exactly as for per-channel int8; the kernel flushes
   its int32 sums into float32 every group, times the group's scales (and x's block step
@@ -54,14 +57,14 @@ class PanelWeight:
     """A ``[N, K]`` weight as ``[P, K, 16]`` panels (``P = ceil(N / 16)``, zero-padded).
 
     ``scale`` is ``[16P]`` float32 for int8 panels with per-channel scales (the dequantized
-    weight is ``panels * scale``), ``[P, K / group, 16]`` float32 for int8 panels with
+    weight is ``panels * scale``), ``[P, K / group, 16]`` float16 for int8 panels with
     group scales (``group > 0``), an empty tensor for float32 panels.
     """
 
     # float32 [P, K, 16]: [p, k, j] = W[16p + j, k]; int8 [P, ceil(K / 2), 32]: k in pairs,
     # [p, i, 2j + h] = W[16p + j, 2i + h] (the kernel's 16-bit pair dot product). Contiguous.
     panels: torch.Tensor
-    scale: torch.Tensor  # [16P] or (group > 0) [P, K / group, 16] float32, or empty; contiguous
+    scale: torch.Tensor  # [16P] float32 or (group > 0) [P, K / group, 16] float16, or empty; contiguous
     out_features: int  # N
     in_k: int  # K
     group: int = 0  # k per group scale (int8 only); 0: one scale per output channel
@@ -117,7 +120,12 @@ def pack_panels_grouped(values: torch.Tensor, scales: torch.Tensor, group: int =
     """Int8 values ``[N, K]`` with group scales ``[N, K // group]`` (``W[n, k] = scales[n,
     k // group] * values[n, k]``, GGUF Q8_0 with ``group = 32``) -> int8 panels with those
     scales, the values unchanged. Rows of several such tensors concatenated (``torch.cat``
-    of values and of scales along dim 0) make one fused weight."""
+    of values and of scales along dim 0) make one fused weight.
+
+    The scales (any float dtype) are stored as float16, rounded to nearest (ties to even):
+    exact for Q8_0's, which are float16 in the file. A finite scale beyond float16's range
+    (|scale| > 65504, which would round to inf) raises ValueError; below 2^-14 a scale
+    keeps fewer bits (float16 subnormals), at or below 2^-25 it becomes 0."""
     if values.dim() != 2 or values.dtype != torch.int8:
         raise ValueError(f"values must be 2-D int8 [out, in], got {values.dtype} {tuple(values.shape)}")
     n, k = values.shape
@@ -125,9 +133,12 @@ def pack_panels_grouped(values: torch.Tensor, scales: torch.Tensor, group: int =
     if tuple(scales.shape) != (n, k // group):
         raise ValueError(f"scales must be [{n}, {k // group}] for [{n}, {k}] values in groups of {group}, "
                          f"got {tuple(scales.shape)}")
+    half = scales.detach().to(torch.float16)
+    if bool((torch.isinf(half) & torch.isfinite(scales.detach())).any()):
+        raise ValueError("group scales must lie in float16's range (|scale| <= 65504): they are stored as float16")
     num_panels = -(-n // LANES)
-    padded = F.pad(scales.detach().float(), (0, 0, 0, num_panels * LANES - n), value=1.0)  # [16P, G]
-    scale = padded.view(num_panels, LANES, k // group).transpose(1, 2).contiguous()  # [P, G, 16]
+    padded = F.pad(half, (0, 0, 0, num_panels * LANES - n), value=1.0)  # [16P, G]
+    scale = padded.view(num_panels, LANES, k // group).transpose(1, 2).contiguous()  # [P, G, 16] float16
     return PanelWeight(panels=_int8_panels(values.detach()), scale=scale, out_features=n, in_k=k, group=group)
 
 
@@ -139,7 +150,7 @@ def panels_shape(out_features: int, in_k: int, quantize: bool) -> tuple[int, int
 
 
 def group_scale_shape(out_features: int, in_k: int, group: int) -> tuple[int, int, int]:
-    """Shape of ``pack_panels_grouped``' scale for an ``[out_features, in_k]`` weight."""
+    """Shape of ``pack_panels_grouped``' scale (float16) for an ``[out_features, in_k]`` weight."""
     check_group(in_k, group)
     return (-(-out_features // LANES), in_k // group, LANES)
 
@@ -147,9 +158,9 @@ def group_scale_shape(out_features: int, in_k: int, group: int) -> tuple[int, in
 class PanelArena:
     """One buffer on transparent huge pages (``kernels.cpu_ops.empty_on_huge_pages``) for
     panel tensors of known shapes, placed in order, each 64-byte aligned; and, where
-    ``scale_shapes`` lists them, a second (float32) one for the group scales of the
+    ``scale_shapes`` lists them, a second (float16) one for the group scales of the
     grouped weights among them, placed in the same order (``group_scale_shape``; a grouped
-    weight's scale is streamed with its panels: an eighth of their bytes at group 32).
+    weight's scale is streamed with its panels: a sixteenth of their bytes at group 32).
 
     A decode step streams every weight once; with 4 KiB pages that is a TLB miss every
     4 KiB (measured on a Zen 3 EPYC: 30 layers of bench-135m at batch 1, 20.1-21.1 ->
@@ -167,7 +178,7 @@ class PanelArena:
         self._slots, self._buffer = _arena_slots(shapes, dtype)
         self._next = 0
         # Grouped weights' scales: their own slots, or (None) left where they are.
-        self._scale_slots, self._scale_buffer = _arena_slots(scale_shapes, torch.float32) if scale_shapes else ([], None)
+        self._scale_slots, self._scale_buffer = _arena_slots(scale_shapes, torch.float16) if scale_shapes else ([], None)
         self._next_scale = 0
 
     def place(self, weight: PanelWeight) -> PanelWeight:
@@ -188,9 +199,10 @@ class PanelArena:
             if self._next_scale >= len(self._scale_slots):
                 raise ValueError(f"PanelArena: all {len(self._scale_slots)} scale slots are placed")
             scale_offset, scale_shape = self._scale_slots[self._next_scale]
-            if tuple(scale.shape) != scale_shape:
+            if tuple(scale.shape) != scale_shape or scale.dtype != self._scale_buffer.dtype:
                 raise ValueError(
-                    f"PanelArena: scale slot {self._next_scale} holds {scale_shape}, got {tuple(scale.shape)}"
+                    f"PanelArena: scale slot {self._next_scale} holds {scale_shape} {self._scale_buffer.dtype}, "
+                    f"got {tuple(scale.shape)} {scale.dtype}"
                 )
             self._next_scale += 1
             scale = self._scale_buffer[scale_offset : scale_offset + scale.numel()].view(scale_shape)
@@ -235,8 +247,8 @@ def unpack_panels(weight: PanelWeight) -> torch.Tensor:
     p = panels.shape[0]
     if panels.dtype == torch.int8:  # [P, K2, 32] -> [P, 16, K2, 2] -> [16P, 2 K2]
         dense = panels.view(p, -1, LANES, 2).permute(0, 2, 1, 3).reshape(p * LANES, -1).float()
-        if weight.group > 0:  # scale [P, G, 16] -> [16P, G] -> one per k: [16P, K]
-            per_k = weight.scale.transpose(1, 2).reshape(p * LANES, -1).repeat_interleave(weight.group, dim=1)
+        if weight.group > 0:  # scale [P, G, 16] float16 -> [16P, G] float32 (exact) -> one per k: [16P, K]
+            per_k = weight.scale.float().transpose(1, 2).reshape(p * LANES, -1).repeat_interleave(weight.group, dim=1)
             dense = dense[:, : weight.in_k] * per_k
         else:
             dense = dense * weight.scale[:, None]

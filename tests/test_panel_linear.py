@@ -4,6 +4,8 @@ model holding the dequantized weights computes, close to the float32 original.""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +17,7 @@ from kernels.cpu_ops import native_available
 from kernels.panel_linear import (
     GEMM_MIN_K,
     LANES,
+    X_BLOCK,
     PanelArena,
     PanelWeight,
     gemm_min_rows,
@@ -359,10 +362,11 @@ def test_panel_packing_places_the_whole_model_in_one_buffer(
 
 
 def _grouped_case(gen: torch.Generator, n: int, k: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random int8 values [n, k] in [-127, 127] and group scales [n, k // group] spread
-    over three orders of magnitude (a wrong group's scale shows at once)."""
+    """Random int8 values [n, k] in [-127, 127] and float32 group scales [n, k // group]
+    spread over three orders of magnitude (a wrong group's scale shows at once), each a
+    float16 value (as Q8_0's are: the packed weight holds them exactly)."""
     q = torch.randint(-127, 128, (n, k), generator=gen).to(torch.int8)
-    d = torch.exp(torch.randn(n, k // group, generator=gen) * 2.0) * 1e-2
+    d = (torch.exp(torch.randn(n, k // group, generator=gen) * 2.0) * 1e-2).half().float()
     return q, d
 
 
@@ -375,6 +379,20 @@ def _float_tolerance(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
     times sqrt(K) of the sum of the terms' magnitudes (which cancellation does not shrink)."""
     magnitude = F.linear(x.abs(), w.abs(), None if bias is None else bias.abs())
     return 2e-6 * x.shape[1] ** 0.5 * magnitude + 1e-6
+
+
+def _tie_slack(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """[M, N]: one step of x's 16-bit rounding times |w| for each element of x within
+    float32 error of a rounding tie (x / step about 32767 at most: an ulp of up to 2^-9),
+    which the kernel (x times 1 / step, -ffast-math) may round the other way than
+    ``round_x_16bit``."""
+    m, k = x.shape
+    blocks = -(-k // X_BLOCK)
+    padded = F.pad(x.float(), (0, blocks * X_BLOCK - k)).view(m, blocks, X_BLOCK)
+    step = padded.abs().amax(dim=2, keepdim=True) / 32767.0
+    scaled = padded / torch.where(step > 0, step, torch.ones_like(step))
+    near_tie = ((scaled - scaled.floor() - 0.5).abs() < 1e-2).float()
+    return F.linear((near_tie * step).view(m, -1)[:, :k], w.abs())
 
 
 @pytest.mark.parametrize("group", [32, 2, 64, 256])
@@ -393,7 +411,8 @@ def test_grouped_int8_matches_the_reference(group: int) -> None:
         bias = torch.randn(n, generator=gen) if m % 2 else None
         got = panel_linear(x, packed, bias)
         want = panel_linear_reference(x, packed, bias)
-        assert bool(((got - want).abs() <= _float_tolerance(x, _dense(q, d, group), bias)).all()), (m, n, k)
+        tolerance = _float_tolerance(x, _dense(q, d, group), bias) + _tie_slack(x, _dense(q, d, group))
+        assert bool(((got - want).abs() <= tolerance).all()), (m, n, k)
 
 
 @pytest.mark.parametrize("k", [352, GEMM_MIN_K + 32])
@@ -500,6 +519,37 @@ def test_pack_panels_grouped_refuses_what_the_kernel_cannot_run() -> None:
                                           torch.empty(0))
 
 
+def test_group_scales_are_stored_as_float16_rounded_to_nearest() -> None:
+    """The packed scale is float16: a float16 value kept exactly (subnormals too), others
+    rounded to nearest (ties to even), and the kernel and the reference both use the
+    rounded scale; beyond float16's range the packing refuses."""
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    n, k = 21, 96
+    q = torch.randint(-127, 128, (n, k), generator=gen).to(torch.int8)
+    d = torch.exp(torch.randn(n, k // 32, generator=gen))
+    d[0] = torch.tensor([1.0 + 2.0**-12, 1.0 + 3 * 2.0**-11, 0.1])  # not float16 values
+    d[1] = torch.tensor([2.0**-20, 2.0**-25, 65504.0])  # a float16 subnormal, one that rounds to 0, the largest
+    packed = pack_panels_grouped(q, d, 32)
+    assert packed.scale.dtype == torch.float16 and packed.scale.is_contiguous()
+    rounded = d.half().float()
+    assert rounded[0].tolist() == [1.0, 1.0 + 2.0**-9, 0.0999755859375]  # nearest, ties to even
+    assert rounded[1].tolist() == [2.0**-20, 0.0, 65504.0]
+    torch.testing.assert_close(unpack_panels(packed), _dense(q, rounded, 32), atol=0, rtol=0)
+    for m in (1, 3, 20):
+        x = torch.randn(m, k, generator=gen)
+        got = panel_linear(x, packed, None)
+        want = panel_linear_reference(x, packed, None)
+        assert bool(((got - want).abs() <= _float_tolerance(x, _dense(q, rounded, 32), None)).all()), m
+    assert torch.equal(pack_panels_grouped(q, d.double(), 32).scale, packed.scale)  # any float dtype
+    assert torch.equal(pack_panels_grouped(q, d.half(), 32).scale, packed.scale)
+    d[2, 1] = 65520.0  # rounds to inf in float16
+    with pytest.raises(ValueError, match="float16's range"):
+        pack_panels_grouped(q, d, 32)
+    with pytest.raises(RuntimeError, match="float16"):  # the kernel takes float16 group scales only
+        torch.ops.tandem_cpu.panel_linear(torch.empty(1, n), torch.randn(1, k), packed.panels, packed.scale.float(),
+                                          torch.empty(0))
+
+
 def test_grouped_weights_onto_huge_pages_and_into_an_arena() -> None:
     """Grouped weights among per-channel ones: panels in one buffer, the group scales in a
     second one, both aligned; the products unchanged bit for bit."""
@@ -514,6 +564,7 @@ def test_grouped_weights_onto_huge_pages_and_into_an_arena() -> None:
     for before, after in zip(weights, placed, strict=True):
         assert after.group == before.group and torch.equal(before.scale, after.scale)
         assert after.panels.data_ptr() % 64 == 0 and after.scale.data_ptr() % 64 == 0 and after.scale.is_contiguous()
+        assert after.scale.dtype == before.scale.dtype
         x = torch.randn(5, before.in_k, generator=gen)
         torch.testing.assert_close(panel_linear(x, after, None), panel_linear(x, before, None), atol=0, rtol=0)
 
@@ -524,6 +575,9 @@ def test_grouped_weights_onto_huge_pages_and_into_an_arena() -> None:
         assert torch.equal(got.panels, weight.panels) and torch.equal(got.scale, weight.scale)
     with pytest.raises(ValueError, match="scale slot 0 holds"):
         PanelArena([panels_shape(37, 64, True)], torch.int8, [group_scale_shape(37, 32, 32)]).place(weights[0])
+    with pytest.raises(ValueError, match="scale slot 0 holds"):  # float16 slots: a float32 scale does not fit
+        PanelArena([panels_shape(37, 64, True)], torch.int8, [group_scale_shape(37, 64, 32)]).place(
+            replace(weights[0], scale=weights[0].scale.float()))
 
 
 def _as_q8_0(weight: PanelWeight) -> PanelWeight:

@@ -7,7 +7,7 @@
 //           int8 [P, K2, 32] (K2 = ceil(K / 2)): k in pairs, element [p, i, 2j + h] =
 //           W[16p + j, 2i + h] (k past K zero), the layout of a 16-bit pair dot product
 //   scale   [16P] float32 (int8 weights: per-output-channel scale) or an empty tensor;
-//           int8 weights may instead have group scales [P, G, 16] float32 (G = K / group,
+//           int8 weights may instead have group scales [P, G, 16] float16 (G = K / group,
 //           group even and dividing 256): element [p, g, j] scales W[16p + j, k] for
 //           group * g <= k < group * (g + 1). [16P] is the same layout with G = 1.
 //   bias    [N] float32 or an empty tensor
@@ -31,7 +31,8 @@
 // Group scales: the int32 sums are flushed into float32 every group of k (a group never
 // straddles a block of x) times the group's 16 scales of the panel, and those block sums
 // into the output's sums times x's block step; the per-channel scale is applied once at
-// the end instead.
+// the end instead. The group scales are float16 (GGUF Q8_0's own d: half the bytes streamed
+// beside the panels of float32 ones), widened to float32 in registers as they are loaded.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -474,12 +475,40 @@ void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k_size, int32
 // sums flushed every `span` = group / 2 pairs (span divides kBlockPairs, so a group lies
 // in one block) times the group's scales of the panel into the block's float32 sums,
 // those times x's step at the end of the block; no final scale.
-// `groups` = G (1 when per-channel). Panel p's scales for group g: scale + (p G + g) 16.
+// `groups` = G (1 when per-channel). Panel p's scales for group g: half + (p G + g) 16.
 struct Int8Scale {
-  const float* scale;
-  int64_t span;    // k pairs per flush of the int32 sums
-  int64_t groups;  // G
+  const float* scale;    // per-channel [16P] float32 (null when grouped)
+  const uint16_t* half;  // grouped: [P, G, 16] float16 bits (null when per-channel)
+  int64_t span;          // k pairs per flush of the int32 sums
+  int64_t groups;        // G
 };
+
+// float16 bits -> float32, exactly (subnormals, inf and NaN included): the portable loops'
+// conversion (F16C / AVX-512 convert 8 or 16 at a time in registers).
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
+  if (exponent == 0) {  // zero or subnormal: mantissa x 2^-24 (a normal float32)
+    const float f = static_cast<float>(mantissa) * 5.9604644775390625e-8f;
+    return sign ? -f : f;
+  }
+  const uint32_t bits = sign | (exponent == 0x1F ? 0x7F800000u | (mantissa << 13) : ((exponent + 112) << 23) | (mantissa << 13));
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+#if defined(__AVX2__)
+// 8 float16 -> 8 float32 (F16C's vcvtph2ps; the scalar conversion without it).
+inline __m256 load_half8(const uint16_t* p) {
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  return _mm256_setr_ps(half_to_float(p[0]), half_to_float(p[1]), half_to_float(p[2]), half_to_float(p[3]),
+                        half_to_float(p[4]), half_to_float(p[5]), half_to_float(p[6]), half_to_float(p[7]));
+#endif
+}
+#endif
 
 #if defined(__AVX512BW__)
 
@@ -536,7 +565,9 @@ inline void int8_block_kernel(const int32_t* xq, int64_t k2, const float* xs, in
       if constexpr (Grouped) {  // into the block's sums, times the group's scales of each panel
         const int64_t g = i0 / span;
         __m512 gs[T];
-        for (int t = 0; t < T; ++t) gs[t] = _mm512_loadu_ps(sc.scale + ((n0 / kLanes + t) * sc.groups + g) * kLanes);
+        for (int t = 0; t < T; ++t)
+          gs[t] = _mm512_cvtph_ps(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc.half + ((n0 / kLanes + t) * sc.groups + g) * kLanes)));
         for (int r = 0; r < R; ++r)
           for (int t = 0; t < T; ++t) {
             __m512i sum = iacc[0][r][t];
@@ -611,7 +642,7 @@ inline void int8_block_kernel(const int32_t* xq, int64_t k2, const float* xs, in
           }
         }
         if constexpr (Grouped) {  // into the block's sums, times the group's scales
-          const float* gs = sc.scale + ((n0 / kLanes + t) * sc.groups + i0 / span) * kLanes;
+          const uint16_t* gs = sc.half + ((n0 / kLanes + t) * sc.groups + i0 / span) * kLanes;
           const bool first = i0 == i_begin;
 #pragma GCC unroll 8
           for (int r = 0; r < R; ++r) {
@@ -619,7 +650,7 @@ inline void int8_block_kernel(const int32_t* xq, int64_t k2, const float* xs, in
             for (int h = 0; h < 2; ++h) {
               float* a = accb[r] + 8 * h;
               const __m256 prev = first ? _mm256_setzero_ps() : _mm256_load_ps(a);
-              _mm256_store_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][h]), _mm256_loadu_ps(gs + 8 * h), prev));
+              _mm256_store_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(iacc[r][h]), load_half8(gs + 8 * h), prev));
             }
           }
         } else {
@@ -684,9 +715,10 @@ inline void int8_block_kernel(const int32_t* xq, int64_t k2, const float* xs, in
       }
       for (int r = 0; r < R; ++r)
         for (int t = 0; t < T; ++t) {
-          const float* gs = Grouped ? sc.scale + ((n0 / kLanes + t) * sc.groups + i0 / span) * kLanes : nullptr;
+          const uint16_t* gs = Grouped ? sc.half + ((n0 / kLanes + t) * sc.groups + i0 / span) * kLanes : nullptr;
           for (int64_t j = 0; j < kLanes; ++j)
-            acc[r][t][j] += static_cast<float>(iacc[r][t][j]) * (Grouped ? xs[r * nb + b] * gs[j] : xs[r * nb + b]);
+            acc[r][t][j] +=
+                static_cast<float>(iacc[r][t][j]) * (Grouped ? xs[r * nb + b] * half_to_float(gs[j]) : xs[r * nb + b]);
         }
     }
   }
@@ -741,10 +773,11 @@ void int8_rows_kernel(int64_t rows, const int32_t* xq, int64_t k2, const float* 
 constexpr int64_t kInt8AsFloatRows = 16;
 
 // int8 panels [T, K2, 32] (k in pairs) -> float32 panels [T, K, 16], column j of panel t
-// times its scale for k: `scale` [T, G, 16] (the tile's panels' scales; G = 1: one per
-// channel), each of the G groups `group_pairs` k pairs long (G * group_pairs >= K2).
+// times its scale for k: `scale` [T, 16] float32 (one per channel, G = 1) or `half`
+// [T, G, 16] float16 (the tile's panels' group scales; the other null), each of the G
+// groups `group_pairs` k pairs long (G * group_pairs >= K2).
 void dequantize_panels(const int8_t* src, int64_t t_count, int64_t k2, int64_t k_size, const float* scale,
-                       int64_t groups, int64_t group_pairs, float* dst) {
+                       const uint16_t* half, int64_t groups, int64_t group_pairs, float* dst) {
   // Per 128-bit lane: the even bytes (k = 2i) of its 8 columns, then the odd (k = 2i + 1).
   const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10,
                                          12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
@@ -752,8 +785,9 @@ void dequantize_panels(const int8_t* src, int64_t t_count, int64_t k2, int64_t k
     const int8_t* p = src + t * k2 * 2 * kLanes;
     float* d = dst + t * k_size * kLanes;
     for (int64_t g = 0; g < groups; ++g) {
-      const float* gs = scale + (t * groups + g) * kLanes;
-      const __m256 s0 = _mm256_loadu_ps(gs), s1 = _mm256_loadu_ps(gs + 8);
+      const int64_t at = (t * groups + g) * kLanes;
+      const __m256 s0 = half ? load_half8(half + at) : _mm256_loadu_ps(scale + at);
+      const __m256 s1 = half ? load_half8(half + at + 8) : _mm256_loadu_ps(scale + at + 8);
       for (int64_t i = g * group_pairs; i < std::min(k2, (g + 1) * group_pairs); ++i) {
         __m256i v =
             _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i * 2 * kLanes)), split);
@@ -784,8 +818,9 @@ void panel_linear_int8_as_float(at::Tensor& out, const at::Tensor& x, const at::
     thread_local std::vector<float> tile_buffer;
     tile_buffer.resize(kTilePanels * k_size * kLanes);
     const int64_t p0 = tile * kTilePanels, panel_count = std::min(kTilePanels, num_panels - p0);
-    dequantize_panels(wp + p0 * k2 * 2 * kLanes, panel_count, k2, k_size, sc.scale + p0 * sc.groups * kLanes,
-                      sc.groups, grouped ? sc.span : k2, tile_buffer.data());
+    dequantize_panels(wp + p0 * k2 * 2 * kLanes, panel_count, k2, k_size, grouped ? nullptr : sc.scale + p0 * kLanes,
+                      grouped ? sc.half + p0 * sc.groups * kLanes : nullptr, sc.groups, grouped ? sc.span : k2,
+                      tile_buffer.data());
     float_tile(rows, xp + r0 * ldx, ldx, tile_buffer.data(), panel_count, k_size, nullptr, bias, op + r0 * ldo, ldo,
                p0 * kLanes, n, nullptr);
     on_tile(r0, rows, p0 * kLanes, std::min(n, (p0 + panel_count) * kLanes));
@@ -879,9 +914,9 @@ void panel_linear_with(at::Tensor& out, const at::Tensor& x, const at::Tensor& p
   int64_t group = 0;
   if (grouped) {
     TORCH_CHECK(int8, "group scales [P, G, 16] need int8 panels");
-    TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.size(0) == panels.size(0) &&
+    TORCH_CHECK(scale.scalar_type() == at::kHalf && scale.is_contiguous() && scale.size(0) == panels.size(0) &&
                     scale.size(1) > 0 && scale.size(2) == kLanes,
-                "group scales must be contiguous [P, G, 16] float32");
+                "group scales must be contiguous [P, G, 16] float16");
     group = x.size(1) / scale.size(1);
     TORCH_CHECK(group * scale.size(1) == x.size(1) && group % 2 == 0 && (2 * kBlockPairs) % group == 0,
                 "group scales [P, ", scale.size(1), ", 16] need K (", x.size(1),
@@ -894,16 +929,18 @@ void panel_linear_with(at::Tensor& out, const at::Tensor& x, const at::Tensor& p
   if (has_scale && !grouped)
     TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.dim() == 1 &&
                     scale.numel() == panels.size(0) * kLanes,
-                "scale must be [16P] float32 (or int8 group scales [P, G, 16])");
+                "scale must be [16P] float32 (or int8 group scales [P, G, 16] float16)");
   if (has_bias)
     TORCH_CHECK(bias.scalar_type() == at::kFloat && bias.is_contiguous() && bias.numel() == out.size(1),
                 "bias must be [N] float32");
-  const float* s = has_scale ? scale.data_ptr<float>() : nullptr;
+  const float* s = has_scale && !grouped ? scale.data_ptr<float>() : nullptr;
+  const uint16_t* half = grouped ? reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>()) : nullptr;
   const float* b = has_bias ? bias.data_ptr<float>() : nullptr;
   if (x.size(0) == 0) return;
   if (int8)
-    panel_linear_int8(out, x, panels, Int8Scale{s, grouped ? group / 2 : kBlockPairs, grouped ? scale.size(1) : 1},
-                      grouped, b, on_tile);
+    panel_linear_int8(out, x, panels,
+                      Int8Scale{s, half, grouped ? group / 2 : kBlockPairs, grouped ? scale.size(1) : 1}, grouped, b,
+                      on_tile);
   else if (panels.scalar_type() == at::kFloat)
     panel_linear_float(out, x, panels, s, b, on_tile);
   else
