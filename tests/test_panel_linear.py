@@ -260,6 +260,27 @@ def test_quantization_flag_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
         EngineConfig(quantization="int4")
 
 
+def assert_same_greedy_runs(cores: list[EngineCore], prompts: list[list[int]], params: SamplingParams) -> None:
+    """Both engines give every prompt the same tokens, and logprobs within 1e-4."""
+    results = []
+    for core in cores:
+        for i, prompt in enumerate(prompts):
+            core.add_request(EngineCoreRequest(str(i), prompt, params))
+        tokens: dict[str, list[int]] = {}
+        logprobs: dict[str, list[float]] = {}
+        while core.has_unfinished_requests():
+            for out in core.step().all_outputs():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.new_logprobs is not None:
+                    for row in out.new_logprobs.logprobs:
+                        logprobs.setdefault(out.request_id, []).extend(row)
+        results.append((tokens, logprobs))
+    assert results[0][0] == results[1][0]
+    for rid in results[0][1]:
+        torch.testing.assert_close(torch.tensor(results[0][1][rid]), torch.tensor(results[1][1][rid]),
+                                   atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("quantization", ["none", "int8"])
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
 def test_native_decode_step_equals_the_layer_by_layer_forward(
@@ -285,24 +306,8 @@ def test_native_decode_step_equals_the_layer_by_layer_forward(
     vocab = native.model_config.vocab_size
     prompts = [torch.randint(3, vocab, (int(n),), generator=gen).tolist() for n in (1, 5, 17, 40)]
     params = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.0, logprobs=3)
-    results = []
-    for core in (native, python):
-        for i, prompt in enumerate(prompts):
-            core.add_request(EngineCoreRequest(str(i), prompt, params))
-        tokens: dict[str, list[int]] = {}
-        logprobs: dict[str, list[float]] = {}
-        while core.has_unfinished_requests():
-            for out in core.step().all_outputs():
-                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-                if out.new_logprobs is not None:
-                    for row in out.new_logprobs.logprobs:
-                        logprobs.setdefault(out.request_id, []).extend(row)
-        results.append((tokens, logprobs))
+    assert_same_greedy_runs([native, python], prompts, params)
     assert calls["native"] > 0
-    assert results[0][0] == results[1][0]
-    for rid in results[0][1]:
-        torch.testing.assert_close(torch.tensor(results[0][1][rid]), torch.tensor(results[1][1][rid]),
-                                   atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("quantize", [False, True])
@@ -604,20 +609,4 @@ def test_native_decode_takes_grouped_int8_weights(fixture: str, request: pytest.
     vocab = cores[0].model_config.vocab_size
     prompts = [torch.randint(3, vocab, (int(n),), generator=gen).tolist() for n in (1, 5, 17)]
     params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0, logprobs=3)
-    results = []
-    for core in cores:
-        for i, prompt in enumerate(prompts):
-            core.add_request(EngineCoreRequest(str(i), prompt, params))
-        tokens: dict[str, list[int]] = {}
-        logprobs: dict[str, list[float]] = {}
-        while core.has_unfinished_requests():
-            for out in core.step().all_outputs():
-                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-                if out.new_logprobs is not None:
-                    for row in out.new_logprobs.logprobs:
-                        logprobs.setdefault(out.request_id, []).extend(row)
-        results.append((tokens, logprobs))
-    assert results[0][0] == results[1][0]
-    for rid in results[0][1]:
-        torch.testing.assert_close(torch.tensor(results[0][1][rid]), torch.tensor(results[1][1][rid]),
-                                   atol=1e-4, rtol=1e-4)
+    assert_same_greedy_runs(cores, prompts, params)
