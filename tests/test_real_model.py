@@ -269,10 +269,12 @@ def q8_0_file(gguf_file: str, tmp_path_factory: pytest.TempPathFactory) -> str:
     return path
 
 
-def test_q8_0_runs_as_int8_with_its_own_scales(q8_0_file: str) -> None:
+def test_q8_0_runs_as_int8_with_its_own_scales(q8_0_file: str, answers: list[list[int]]) -> None:
     """Q8_0 matrices become int8 panels with their per-32 scales, values untouched: greedy
     answers equal the same file dequantized to float32 (the x-rounding of the int8 kernel
-    is the only difference)."""
+    is the only difference), and the float model's over their first 8 tokens for >= 14 of 16
+    prompts. (Longer answers part where the Q8_0 weights themselves flip near ties: 8/16
+    agree over 32 tokens, exactly as the dequantized file does; benchmarks/NOTES.md.)"""
     from kernels.panel_linear import PanelWeight
 
     with LLM(q8_0_file, num_threads=2) as int8_llm:
@@ -287,4 +289,6 @@ def test_q8_0_runs_as_int8_with_its_own_scales(q8_0_file: str) -> None:
         float_out = float_llm.generate([chat(p) for p in PROMPTS], greedy())
     same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(int8_out, float_out))
     assert same >= 14, f"int8 Q8_0 equals its float32 dequantization on {same}/16 prompts"
+    head = sum(trimmed(list(out.outputs[0].token_ids))[:8] == answer[:8] for out, answer in zip(int8_out, answers))
+    assert head >= 14, f"int8 Q8_0's first 8 tokens equal the float model's on {head}/16 prompts"
     assert "Paris" in int8_out[0].outputs[0].text
