@@ -13,13 +13,14 @@ import argparse
 import dataclasses
 import os
 import random
-import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+
+from tandem.model_source import build_directory_once
+from tandem.model_source import cache_dir as model_cache_dir
 
 Arch = Literal["llama", "qwen2", "qwen3"]
 PresetName = Literal["tiny", "hop", "demo", "bench-135m", "llama-1b"]
@@ -305,13 +306,6 @@ def make_model(
     return out_dir
 
 
-def default_cache_dir() -> str:
-    """``$TANDEM_CACHE_DIR``, else ``~/.cache/tandem``."""
-    return os.environ.get("TANDEM_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "tandem"
-    )
-
-
 def demo_model_dir(cache_dir: str | None = None) -> str:
     """Path of the cached demo checkpoint (Llama, "demo" preset), made on first use."""
     return cached_model_dir("demo", cache_dir)
@@ -319,25 +313,12 @@ def demo_model_dir(cache_dir: str | None = None) -> str:
 
 def cached_model_dir(preset: PresetName, cache_dir: str | None = None) -> str:
     """Path of the cached Llama checkpoint of ``preset`` (seed 0), made on first use."""
-    root = cache_dir or default_cache_dir()
     name = f"demo-llama-v{DEMO_PRESET_VERSION}-seed0" if preset == "demo" else f"{preset}-llama-seed0"
-    final = os.path.join(root, name)
-    if os.path.isfile(os.path.join(final, "model.safetensors")):
-        return final
-    os.makedirs(root, exist_ok=True)
-    # Build beside the final path and rename, so a half-written checkpoint is never seen.
-    staging = tempfile.mkdtemp(prefix=f".{preset}-", dir=root)
-    try:
-        make_model(staging, arch="llama", preset=preset, seed=0)
-        try:
-            os.replace(staging, final)
-        except OSError:
-            if not os.path.isfile(os.path.join(final, "model.safetensors")):
-                raise
-    finally:
-        if os.path.isdir(staging):
-            shutil.rmtree(staging, ignore_errors=True)
-    return final
+    return build_directory_once(
+        os.path.join(cache_dir or model_cache_dir(), name),
+        "model.safetensors",
+        lambda staging: make_model(staging, arch="llama", preset=preset, seed=0),
+    )
 
 
 # ---- CLI ---------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 
 from tandem.protocol.model_config import ModelLoadError
 
@@ -130,6 +131,27 @@ def _read_json(path: str) -> object:
         return None
 
 
+def build_directory_once(final: str, marker: str, build: Callable[[str], None]) -> str:
+    """``final``, made by ``build(staging)`` unless ``final/marker`` already exists. Built beside
+    the final path and renamed, so another process (a frontend and an engine start together)
+    sees either nothing or the whole directory; of two racing builders, one rename wins."""
+    if os.path.isfile(os.path.join(final, marker)):
+        return final
+    parent = os.path.dirname(final)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(final)}-", dir=parent)
+    try:
+        build(staging)
+        try:
+            os.rename(staging, final)
+        except OSError:
+            if not os.path.isfile(os.path.join(final, marker)):
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
 def _gguf_sidecar(gguf_path: str, root: str | None) -> str:
     gguf_path = os.path.abspath(gguf_path)
     stat = os.stat(gguf_path)
@@ -140,26 +162,15 @@ def _gguf_sidecar(gguf_path: str, root: str | None) -> str:
     base = os.path.join(root or cache_dir(), "gguf", key)
     final = os.path.join(base, stem)
     if os.path.isfile(os.path.join(final, "config.json")):
-        return final
+        return final  # (build_directory_once checks again: the fast path skips the import)
     try:
         os.makedirs(base, exist_ok=True)
     except OSError:  # a read-only cache: this process's own copy
-        base = tempfile.mkdtemp(prefix="tandem-gguf-")
-        final = os.path.join(base, stem)
+        final = os.path.join(tempfile.mkdtemp(prefix="tandem-gguf-"), stem)
     from tandem.gguf_metadata import read_metadata, write_sidecar
 
-    logger.info("reading GGUF metadata of %s (once; kept in %s)", gguf_path, final)
-    meta = read_metadata(gguf_path)
-    # Written beside the final path and renamed: another process (the frontend and an
-    # engine start together) sees either nothing or the whole directory.
-    staging = tempfile.mkdtemp(prefix=f".{stem}-", dir=base)
-    try:
-        write_sidecar(meta, staging)
-        try:
-            os.rename(staging, final)
-        except OSError:
-            if not os.path.isfile(os.path.join(final, "config.json")):
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return final
+    def build(staging: str) -> None:
+        logger.info("reading GGUF metadata of %s (once; kept in %s)", gguf_path, final)
+        write_sidecar(read_metadata(gguf_path), staging)
+
+    return build_directory_once(final, "config.json", build)
