@@ -43,14 +43,20 @@ class GGUFMetadata:
         return str(self.fields.get("general.architecture", ""))
 
 
-def read_metadata(path: str) -> GGUFMetadata:
-    """Parse ``path``'s header (the ``gguf`` package memory-maps it; no tensor is read)."""
+def open_gguf(path: str) -> Any:
+    """The ``gguf`` package's reader of ``path`` (the file memory-mapped; no tensor read);
+    ModelLoadError for a file it cannot parse."""
     from gguf import GGUFReader
 
     try:
-        reader = GGUFReader(path)
+        return GGUFReader(path)
     except (ValueError, OSError, IndexError) as exc:  # bad magic, truncated file, ...
         raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from exc
+
+
+def read_metadata(path: str) -> GGUFMetadata:
+    """Parse ``path``'s header (the ``gguf`` package memory-maps it; no tensor is read)."""
+    reader = open_gguf(path)
     fields = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
     tensors = {
         t.name: (t.tensor_type.name, tuple(int(d) for d in reversed(t.shape.tolist())))

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tandem.gguf_metadata import open_gguf
 from tandem.protocol.model_config import ModelConfig, ModelLoadError
 
 # ggml type name -> what it becomes (docs/models.md shows this table).
@@ -94,12 +95,7 @@ def gguf_entries(path: str, config: ModelConfig) -> Iterator[tuple[str, tuple[in
 
     ``read(keep_q8_0)`` returns the tensor (float32 or as stored for float types), or, for
     a Q8_0 tensor with ``keep_q8_0``, its ``QuantizedRows``."""
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(path)
-    except (ValueError, OSError, IndexError) as exc:
-        raise ModelLoadError(f"{path}: not a readable GGUF file ({exc})") from exc
+    reader = open_gguf(path)
     unsupported = sorted({t.tensor_type.name for t in reader.tensors} - set(TENSOR_TYPES))
     if unsupported:
         names = [t.name for t in reader.tensors if t.tensor_type.name in unsupported][:3]
@@ -137,7 +133,7 @@ def _reader(tensor: object, shape: tuple[int, ...], heads: int | None) -> Reader
                 q = QuantizedRows(_unpermute_qk(q.values, heads).contiguous(), _unpermute_qk(q.scales, heads).contiguous())
             return q
         if kind.name in ("F32", "F16"):
-            array = np.asarray(data).reshape(shape)
+            array = np.array(data, copy=True).reshape(shape)  # owned: the map is read-only
         elif kind.name == "BF16":  # numpy has no bfloat16: the bits, widened
             bits = np.asarray(data).view(np.uint16).reshape(shape).astype(np.uint32) << 16
             array = bits.view(np.float32)
@@ -145,7 +141,7 @@ def _reader(tensor: object, shape: tuple[int, ...], heads: int | None) -> Reader
             array = gguf.quants.dequantize(data, kind).reshape(shape)
         if heads is not None:
             array = _unpermute_qk(array, heads)
-        return torch.from_numpy(np.array(array, copy=True))  # owned: the map is read-only
+        return torch.from_numpy(np.ascontiguousarray(array))
 
     return read
 
