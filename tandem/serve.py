@@ -66,6 +66,9 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer", default=env("TANDEM_TOKENIZER", ""),
                    help="A tokenizer to use instead of the model's, for the frontends and engines alike "
                    "(env TANDEM_TOKENIZER; default: the model's).")
+    p.add_argument("--generation-config", choices=("auto", "none"), default=env("TANDEM_GENERATION_CONFIG", "auto"),
+                   help="auto: sampling fields a request leaves unset take the model's generation_config.json "
+                   "settings; none: the API defaults (env TANDEM_GENERATION_CONFIG; every frontend).")
     p.add_argument("--served-model-name", default=env("TANDEM_SERVED_MODEL_NAME", ""),
                    help="The model's name to clients, e.g. the OpenAI API's 'model' (env "
                    "TANDEM_SERVED_MODEL_NAME); default: the checkpoint directory's or GGUF file's name.")
@@ -157,7 +160,8 @@ def _set_or_drop(env: dict[str, str], **values: str) -> None:
 def engine_env(args: argparse.Namespace) -> dict[str, str]:
     """The engines' environment: tokens travel here, not in argv (visible to every user)."""
     env = {**os.environ, "TANDEM_DRAIN_TIMEOUT": str(args.drain_timeout)}
-    _set_or_drop(env, TANDEM_ADMIN_TOKEN=args.admin_token, TANDEM_ENGINE_TOKEN=args.engine_token)
+    _set_or_drop(env, TANDEM_ADMIN_TOKEN=args.admin_token, TANDEM_ENGINE_TOKEN=args.engine_token,
+                 TANDEM_TOKENIZER=args.tokenizer, TANDEM_SERVED_MODEL_NAME=args.served_model_name)
     # The frontend's settings: engines run plain text on 127.0.0.1, without an admin port,
     # and serve their own metrics.
     for name in ("TANDEM_ADMIN_PORT", "TANDEM_TLS_CERT", "TANDEM_TLS_KEY", "TANDEM_TLS_CA", "TANDEM_API_KEY",
@@ -177,7 +181,7 @@ def frontend_processes(args: argparse.Namespace, model: str, engines: list[str])
            "TANDEM_MAX_REQUEST_MIGRATIONS": str(args.max_request_migrations)}
     _set_or_drop(env, TANDEM_ADMIN_TOKEN=args.admin_token, TANDEM_ENGINE_TOKEN=args.engine_token,
                  TANDEM_TLS_CERT=args.tls_cert, TANDEM_TLS_KEY=args.tls_key,
-                 TANDEM_API_KEY=",".join(api_keys_from_args(args).keys))
+                 TANDEM_API_KEY=",".join(api_keys_from_args(args).keys), TANDEM_TOKENIZER=args.tokenizer)
     targets = [a for address in engines for a in ("--engine", address)]
     children = []
     for i in range(1, args.frontends):
@@ -187,6 +191,7 @@ def frontend_processes(args: argparse.Namespace, model: str, engines: list[str])
                 "--http-port", str(args.http_port), "--client-index", str(i), "--reuse-port",
                 "--metrics-port", "0", "--admin-port", "0", "--health-port", str(health_port),
                 "--connect-timeout", str(args.connect_timeout), "--load-timeout", str(args.load_timeout),
+                "--generation-config", args.generation_config,
                 "--engine-output-window", str(args.engine_output_window),
                 "--engine-output-interval-ms", str(args.engine_output_interval_ms),
                 "--stream-interval", str(args.stream_interval)]
@@ -233,10 +238,7 @@ def run_cli(args: argparse.Namespace) -> int:
         raise UsageError(f"--engines must be >= 1, got {args.engines}")
     _check_ports(args)
     model = resolve_model(args.model)
-    tokenizer = resolve_model(args.tokenizer) if args.tokenizer else ""
-    # Engines and extra frontends inherit these (EngineConfig's TANDEM_* defaults, --tokenizer's).
-    os.environ["TANDEM_TOKENIZER"] = tokenizer
-    os.environ["TANDEM_SERVED_MODEL_NAME"] = args.served_model_name
+    args.tokenizer = resolve_model(args.tokenizer) if args.tokenizer else ""
     extra = [a for a in args.engine_args if a != "--"]
     threads = threads_per_engine(args.engines)  # affinity mask and CPU quota, not the host's cores
     env = engine_env(args)
@@ -287,8 +289,8 @@ async def _serve(
 
     addresses = [e.address for e in supervisor.engines]
     admin_port = _admin_port(args)
-    config = FrontendConfig(model=model, tokenizer=os.environ["TANDEM_TOKENIZER"],
-                            generation_config=os.environ.get("TANDEM_GENERATION_CONFIG", "auto"), engines=addresses, host=args.host, port=args.port,
+    config = FrontendConfig(model=model, tokenizer=args.tokenizer, generation_config=args.generation_config,
+                            engines=addresses, host=args.host, port=args.port,
                             connect_timeout=args.connect_timeout, load_timeout=args.load_timeout,
                             metrics_port=args.metrics_port,
                             http_port=args.http_port,
