@@ -95,3 +95,12 @@ clean:
 .PHONY: compose-check
 compose-check: setup
 	$(PY) deploy/compose_check.py $(COMPOSE_CHECK_ARGS)
+
+# docs/img/architecture.svg, the picture in docs/architecture.md, rendered from
+# docs/architecture.dot by Graphviz's `dot` (Debian/Ubuntu: apt-get install graphviz). Not part
+# of `test`, which needs no Graphviz: tests/test_architecture_doc.py fails when the SVG is
+# behind the .dot, or when the .dot names code (tandem_ref) that no longer exists.
+.PHONY: architecture-svg
+architecture-svg:
+	@command -v dot >/dev/null || { echo "error: Graphviz's dot not found (apt-get install graphviz)"; exit 1; }
+	dot -Tsvg docs/architecture.dot -o docs/img/architecture.svg

@@ -129,7 +129,7 @@ def measure(core: EngineCore, batch: int, prompt_len: int, steps: int) -> dict[s
     result["step"] = wall
     result["profiled step"] = profiled_wall
     core.abort_requests(list(core.scheduler.requests))
-    core.take_abort_outputs()
+    core.take_ended_outputs()
     return result
 
 

@@ -14,6 +14,7 @@ beyond them (scheduling, inputs, the sampled token's read-back, outputs).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -23,7 +24,6 @@ import torch
 
 from engine_service.config import EngineConfig
 from engine_service.core import EngineCore
-from engine_service.step_pipeline import StepPipeline
 from tandem.protocol.outputs import EngineCoreRequest
 from tandem.protocol.sampling_params import SamplingParams
 
@@ -105,11 +105,12 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda")
     rate = copy_rate(device)
     t = time.perf_counter()
-    core = EngineCore(EngineConfig(
+    config = EngineConfig(
         model=model, device="cuda", dtype=args.dtype, max_num_seqs=1,
         max_model_len=args.prompt_len + args.steps + 128, gpu_memory_utilization=0.5,
         triton_gemv=args.triton_gemv, triton_split_kv=args.triton_split_kv,
-    ))
+    )
+    core = EngineCore(config)
     load_s = time.perf_counter() - t
     # tied embeddings appear twice in a state dict; count each storage once
     seen: set[int] = set()
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     prompt = [rng.randrange(5, vocab) for _ in range(args.prompt_len)]
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 64, ignore_eos=True)
 
-    def decode_ms(request_id: str) -> float:
+    def decode_ms(core: EngineCore, request_id: str) -> float:
         """Milliseconds per token of one sequence's steady decode."""
         core.add_request(EngineCoreRequest(request_id, prompt, params))
         for _ in range(8):  # prefill, then warm decode steps
@@ -137,18 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.synchronize()
         return (time.perf_counter() - start) / args.steps * 1e3
 
-    step_ms = decode_ms("decode-sync")
-    # The same with async scheduling (step_pipeline.py): the host work of a step overlaps
-    # the previous step's forward.
+    step_ms = decode_ms(core, "decode-sync")
     core.abort_requests(["decode-sync"])
     while core.has_unfinished_requests():
         core.step()
-    core.pipeline = StepPipeline(core)
-    async_ms = decode_ms("decode-async")
-    core.abort_requests(["decode-async"])
-    while core.has_unfinished_requests():
-        core.step()
-    core.pipeline = None
     core.add_request(EngineCoreRequest("decode-0", prompt, params))
     for _ in range(8):
         core.step()
@@ -166,6 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # the step numbers above stand without it
         print(f"kernel table failed: {type(exc).__name__}: {exc}")
         kernels = []
+    # The same decode with async scheduling (engine_step.py's AsyncStep, its own
+    # scheduler: a second engine): the host work of a step overlaps the previous forward.
+    core.shutdown()
+    del core
+    async_core = EngineCore(dataclasses.replace(config, async_scheduling=True))
+    async_ms = decode_ms(async_core, "decode-async")
+    async_core.shutdown()
     result = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "model": model,
         "triton_gemv": args.triton_gemv, "triton_split_kv": args.triton_split_kv,

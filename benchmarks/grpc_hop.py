@@ -97,7 +97,7 @@ def bench_serialization(num_requests: int, repeats: int) -> dict[str, float]:
     new token each), from what the engine has after the step to what the frontend reads.
 
     - protobuf (columns), the stack's path: the engine's ``EngineCoreOutputs`` holds the
-      step as ``TokenColumns`` (three lists, built by ``EngineCore._make_outputs``);
+      step as ``TokenColumns`` (three lists, built by ``StepOutputs.make``);
       encode = convert + serialize; decode = parse + convert back to the
       ``EngineCoreOutputs`` with ``TokenColumns`` that ``AsyncLLM`` consumes.
     - protobuf (objects), for reference: one ``EngineCoreOutput`` per request on both

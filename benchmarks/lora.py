@@ -74,7 +74,7 @@ def decode_tok_s(
         tokens += sum(len(o.new_token_ids) for o in core.step().all_outputs())
     elapsed = time.perf_counter() - start
     core.abort_requests(list(core.scheduler.requests))
-    core.take_abort_outputs()
+    core.take_ended_outputs()
     return tokens / elapsed
 
 

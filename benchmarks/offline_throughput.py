@@ -166,8 +166,8 @@ def run_tandem(
         sched = core.scheduler
         while core.has_unfinished_requests():
             # Decode-only step: nothing waiting, every running request one token behind.
-            decode_only = len(sched.waiting) == 0 and all(
-                r.num_computed_tokens == r.num_tokens - 1 for r in sched.running
+            decode_only = len(sched.lifecycle.waiting) == 0 and all(
+                r.num_computed_tokens == r.num_tokens - 1 for r in sched.lifecycle.running
             )
             start = time.perf_counter()
             step = core.step()

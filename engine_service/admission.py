@@ -18,14 +18,20 @@ measured only while the queue is non-empty (an idle engine has no drain rate).
 from __future__ import annotations
 
 import heapq
+import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from engine_service.request import Request, RequestStatus
+from engine_service.scheduler_hooks import SchedulerFeature, Verdict
 from tandem.drain_rate import DrainRate
 from tandem.protocol.outputs import ErrorCode, FinishReason, RequestError
 
-__all__ = ["AdmissionController", "AdmissionLimits", "DeadlineScheduling", "DrainRate", "RequestRejected"]
+if TYPE_CHECKING:
+    from engine_service.kv_cache.manager import KVBlocks
+    from engine_service.request_lifecycle import RequestLifecycle
+
+__all__ = ["AdmissionController", "AdmissionLimits", "Deadlines", "DrainRate", "RequestRejected"]
 
 
 class RequestRejected(Exception):
@@ -80,7 +86,8 @@ class AdmissionController:
         )
 
 
-def deadline_exceeded(message: str) -> RequestError:
+def deadline_error(message: str) -> RequestError:
+    """The DEADLINE_EXCEEDED error a request ends with."""
     return RequestError(ErrorCode.DEADLINE_EXCEEDED, message)
 
 
@@ -120,71 +127,59 @@ class PrefillBound:
         return max(steps * self.fastest_step, num_tokens / self.peak_rate)
 
 
-class DeadlineScheduling:
-    """Mixed into the Scheduler: requests whose deadline passed end with
-    DEADLINE_EXCEEDED, waiting or running (``expire``), and a waiting request whose
-    fastest possible prefill would end after its deadline is shed before it starts.
-    Needs the scheduler's ``_deadlines`` heap, ``sessions``, ``kv``, ``waiting``,
-    ``prefill_bound``, ``_step_start``, ``_shed``, ``_unqueue`` and ``_finish``."""
+class Deadlines(SchedulerFeature):
+    """Requests whose deadline passed end with DEADLINE_EXCEEDED, waiting, running or
+    idle (``expire``, before each schedule), and a waiting request whose fastest
+    possible prefill would end after its deadline is shed before it starts (``place``)."""
 
-    _deadlines: list[tuple[float, int, Request]]
-    _shed: list[Request]
-    _step_start: float
-    sessions: dict[str, Request]
-    kv: Any  # KVCacheManager
-    waiting: Any  # WaitingQueue
-    prefill_bound: PrefillBound
-    _unqueue: Any
-    _finish: Any
+    def __init__(self, lifecycle: RequestLifecycle, prefill_bound: PrefillBound) -> None:
+        self.lifecycle = lifecycle
+        self.prefill_bound = prefill_bound
+        # (deadline, seq, request) of every request with a deadline; ended ones are
+        # dropped lazily when they reach the top.
+        self._heap: list[tuple[float, int, Request]] = []
+        self._seq = itertools.count()
+
+    def added(self, request: Request) -> None:
+        if request.deadline is not None:
+            heapq.heappush(self._heap, (request.deadline, next(self._seq), request))
+
+    def before_schedule(self, now: float) -> None:
+        self.expire(now)
 
     def expire(self, now: float) -> list[Request]:
-        """End every request whose deadline is at or before ``now``, waiting or running,
-        with FinishReason.ERROR and DEADLINE_EXCEEDED; their blocks are free on return."""
+        """End every request whose deadline is at or before ``now``, waiting, running or
+        idle, with FinishReason.ERROR and DEADLINE_EXCEEDED; their blocks are free on
+        return. Returns them."""
         expired = []
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, _, request = heapq.heappop(self._deadlines)
+        while self._heap and self._heap[0][0] <= now:
+            _, _, request = heapq.heappop(self._heap)
             if request.is_finished:
                 continue
-            if request.status == RequestStatus.IDLE:  # a session between turns ends
-                self.sessions.pop(request.request_id, None)
-                self.kv.free(request)
-                request.status = RequestStatus.FINISHED
-                request.finish_reason = FinishReason.ERROR
-                request.error = RequestError(ErrorCode.DEADLINE_EXCEEDED, "the session's deadline passed")
-                request.times.finished = now
-                expired.append(request)
-                continue
-            where = "running" if request.status == RequestStatus.RUNNING else "waiting"
-            self._unqueue(request)
-            error = RequestError(
-                ErrorCode.DEADLINE_EXCEEDED,
-                f"the request's deadline passed while it was {where} "
-                f"({request.num_output_tokens} tokens generated)",
-            )
-            self._finish(request, FinishReason.ERROR, now=now, error=error)
+            if request.status == RequestStatus.IDLE:
+                message = "the session's deadline passed"
+            else:
+                where = "running" if request.status == RequestStatus.RUNNING else "waiting"
+                message = (
+                    f"the request's deadline passed while it was {where} "
+                    f"({request.num_output_tokens} tokens generated)"
+                )
+            self.lifecycle.finish(request, FinishReason.ERROR, now, error=deadline_error(message))
             expired.append(request)
         return expired
 
-    def take_shed(self) -> list[Request]:
-        """Requests ended by the last schedule() because their deadline could not be met."""
-        shed, self._shed = self._shed, []
-        return shed
-
-    def _shed_if_late(self, request: Request, num_tokens: int) -> bool:
-        """End ``request`` (popped from the queue head) if even the fastest prefill of its
-        ``num_tokens`` uncomputed tokens would end after its deadline."""
+    def place(self, request: Request, hit: KVBlocks, num_new_tokens: int, now: float) -> Verdict:
+        """Shed the queue head if even the fastest prefill of its ``num_new_tokens``
+        uncomputed tokens would end after its deadline."""
         if request.deadline is None:
-            return False
-        left = request.deadline - self._step_start
-        need = self.prefill_bound.seconds(num_tokens)
+            return Verdict.ADMIT
+        left = request.deadline - now
+        need = self.prefill_bound.seconds(num_new_tokens)
         if left >= need:
-            return False
-        self.waiting.pop()
-        error = RequestError(
-            ErrorCode.DEADLINE_EXCEEDED,
+            return Verdict.ADMIT
+        error = deadline_error(
             f"shed before prefill: {max(left, 0.0) * 1000:.0f} ms left to the deadline, "
-            f"a prefill of {num_tokens} tokens takes at least {need * 1000:.0f} ms here",
+            f"a prefill of {num_new_tokens} tokens takes at least {need * 1000:.0f} ms here"
         )
-        self._finish(request, FinishReason.ERROR, now=self._step_start, error=error)
-        self._shed.append(request)
-        return True
+        self.lifecycle.finish(request, FinishReason.ERROR, now, error=error)
+        return Verdict.TAKEN

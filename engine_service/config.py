@@ -3,6 +3,10 @@
 Names follow vLLM's engine arguments where the concept is the same, so that
 ``EngineConfig(max_num_seqs=64)`` and ``--max-num-seqs 64`` mean what a vLLM user
 expects.
+
+``EngineConfig`` is frozen: a changed setting is a new config (``dataclasses.replace``),
+so a component given the config sees the settings it was built with. Its resolved
+settings (``torch_device``, ``resolved_*``, ...) are computed on first use and kept.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import argparse
 import dataclasses
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
@@ -28,9 +33,14 @@ class ConfigError(ValueError):
     """An engine setting is invalid or inconsistent with the model."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
-    """Settings of one EngineCore. Every field is also a CLI flag (``--field-name``)."""
+    """Settings of one EngineCore. Every field is also a CLI flag (``--field-name``).
+
+    Frozen; each resolved setting is a ``cached_property``: computed once, on first use
+    rather than in ``__post_init__``, because resolving imports torch and may build the
+    native kernels, which building a config (the CLI, a frontend) must not. (It stores
+    into the instance's ``__dict__``, which a frozen dataclass without slots allows.)"""
 
     model: str = field(
         default="",
@@ -406,9 +416,9 @@ class EngineConfig:
         if not isinstance(value, int) or value < 0 or (value == 0 and not allow_zero):
             raise ConfigError(f"{name} must be a {'non-negative' if allow_zero else 'positive'} integer, got {value!r}")
 
-    # ---- resolved settings -------------------------------------------------
+    # ---- resolved settings: each computed once (see the class docstring) ---------
 
-    @property
+    @cached_property
     def torch_device(self) -> torch.device:
         import torch
 
@@ -416,18 +426,18 @@ class EngineConfig:
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    @property
+    @cached_property
     def resolved_max_pending_requests(self) -> int:
         """The waiting-queue bound; 0: unbounded."""
         if self.max_pending_requests is None:
             return 4 * self.max_num_seqs
         return self.max_pending_requests
 
-    @property
+    @cached_property
     def resolved_max_cpu_loras(self) -> int:
         return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
-    @property
+    @cached_property
     def torch_dtype(self) -> torch.dtype:
         import torch
 
@@ -435,7 +445,7 @@ class EngineConfig:
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return getattr(torch, self.dtype)
 
-    @property
+    @cached_property
     def resolved_attention_backend(self) -> Literal["torch", "cpu", "triton"]:
         if self.attention_backend == "auto":
             if self.torch_device.type == "cuda":
@@ -452,7 +462,7 @@ class EngineConfig:
                 raise ConfigError("attention_backend=cpu: its native kernel could not be built (see the log)")
         return self.attention_backend
 
-    @property
+    @cached_property
     def resolved_linear_backend(self) -> Literal["torch", "onednn", "panel"]:
         """auto: the panel kernel on CPU for float32 (and always with int8 weights) where
         the native kernels build; oneDNN where this CPU runs it in this dtype (bfloat16
@@ -481,13 +491,13 @@ class EngineConfig:
             )
         return self.linear_backend
 
-    @property
+    @cached_property
     def linear_layout(self) -> Literal["torch", "onednn", "panel", "panel_int8"]:
         """How the model's linear weights are stored after loading (see ``FusedLinear.pack``)."""
         backend = self.resolved_linear_backend
         return "panel_int8" if self.quantization == "int8" else backend
 
-    @property
+    @cached_property
     def keep_int8_checkpoint_weights(self) -> bool:
         """Load a checkpoint's int8 matrices (GGUF Q8_0) as int8 panels with their own
         group scales rather than dequantized (see ``quantization``)."""

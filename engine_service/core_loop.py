@@ -8,10 +8,8 @@ The loop thread also builds the core (model load, KV-cache allocation, warm-up),
 every torch op of the process runs on one thread. That matters on CPU: each thread
 that enters an OpenMP region gets its own libgomp thread team, which outlives it; once
 a process has more OpenMP threads than cores, libgomp stops spinning between parallel
-regions and puts its threads to sleep after ~100 spins, and every region then pays
-futex wake-ups. Measured on the 2-core bench machine: with the model loaded on another
-thread, the serving engine's two compute threads blocked ~7,000 times a second and
-served 14% fewer tokens per second.
+regions and puts its threads to sleep almost at once, and every region then pays
+futex wake-ups: a model loaded on another thread slows serving (benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
@@ -225,7 +223,7 @@ class EngineCoreLoop:
                 self._beat(core)  # before it may block: an idle loop is not busy
             else:
                 _idle_tick(core)
-                idle = core.take_abort_outputs()
+                idle = core.take_ended_outputs()
                 if idle is not None:
                     self._emit(idle)
 

@@ -33,14 +33,14 @@ def keep_freed_memory_mapped() -> bool:
     """Stop glibc from returning large freed blocks to the OS after every step.
 
     By default glibc serves allocations above a few MiB with fresh mmap()s and unmaps
-    them on free, so every step's large activations and KV gathers page-fault anew
-    (measured here: a 35 MB tensor copy took 34 ms with the default, 12 ms with this).
+    them on free, so every step's large activations and KV gathers page-fault anew;
+    memory kept mapped is reused without that cost (benchmarks/NOTES.md).
 
     It also keeps every thread on glibc's main arena. A thread's own arena is made of
     mmap'ed heaps of at most 64 MiB that the thresholds above do not govern, so on the
     engine's loop thread a large step's buffers were mapped, zeroed and unmapped every
-    step: a 2048-token prefill step took 1.9-3.0 s there against 1.5-1.6 s on the main
-    arena. That part reaches only threads that have not allocated yet, so a service
+    step, which made large prefill steps there slower than on the main arena. That part
+    reaches only threads that have not allocated yet, so a service
     calls this first thing, before it starts threads.
     Returns False where glibc's mallopt is not available (e.g. musl).
     """
@@ -150,5 +150,5 @@ def default_num_threads() -> int:
     """Intra-op threads an engine runs by default: the CPUs it may use, a fractional quota
     rounded up (1.5 -> 2). A quota throttles the whole team at once, not one straggler,
     so a team that can spend all of it serves more: in a 1.5-CPU quota 2 threads served
-    125-137 output tok/s, 1 thread 102-112 (benchmarks/contention.py, bench-135m)."""
+    more than 1 (benchmarks/contention.py)."""
     return max(1, math.ceil(allowed_cpus() - 1e-9))

@@ -1,10 +1,10 @@
 """Decode steps replayed from captured CUDA graphs.
 
-A decode step of a small model on a GPU is bound by the host, not the GPU: bench-135m on
-an H200 took ~15 ms a step at batch 1 and at batch 64 while its kernels kept the GPU
-busy ~0.9 ms (a torch profile: ~270 Triton launches and ~120 cuBLAS calls a step, 6-25
-us of host time each, plus the Python between them). A graph captured once per padded
-batch size replays the whole forward in one launch.
+A decode step of a small model on a GPU is bound by the host, not the GPU: on an H200 an
+eager bench-135m step took many times the time its kernels kept the GPU busy, at batch 1
+and at batch 64 alike (a torch profile: hundreds of Triton launches and cuBLAS calls a
+step, each with its host time, plus the Python between them; benchmarks/NOTES.md). A
+graph captured once per padded batch size replays the whole forward in one launch.
 
 Each graph reads fixed input buffers and writes a fixed output buffer:
   input_ids, positions, slot_mapping [max_batch] int64; seq_lens [max_batch] int32;

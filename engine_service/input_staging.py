@@ -2,7 +2,7 @@
 
 An eager step (prefill chunks, mixed batches: decode-only batches go to their CUDA graph's
 own buffers, ``DecodeGraphs.stage``) needs six index tensors on the device. Made one by
-one, each is a pinned allocation and a copy: on an H200 that was 11% of a host-bound
+one, each is a pinned allocation and a copy: on an H200 a visible share of a host-bound
 engine's CPU (py-spy, benchmarks/NOTES.md). Here they are written into two persistent
 host buffers and copied in one piece each:
 

@@ -66,8 +66,8 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(64, 2, 4, 2, 128, 1024, 2048, 10000.0, 0.15, qwen3_head_dim=32),
-    # A step of 256 decoding sequences takes a few ms on a CPU, as a real model's does on a
-    # GPU: what the gRPC hop costs at that pace (benchmarks/split_cost.py).
+    # Sized so that a step of 256 decoding sequences on a CPU is about as short as a real model's
+    # on a GPU: what the gRPC hop costs at that pace (benchmarks/split_cost.py).
     "hop": Preset(96, 3, 3, 1, 256, 2048, 2048, 10000.0, 0.1, qwen3_head_dim=32),
     "demo": Preset(256, 4, 8, 4, 768, 2048, 2048, 10000.0, 0.08, qwen3_head_dim=64),
     "bench-135m": Preset(576, 30, 9, 3, 1536, 49152, 2048, 100000.0, 0.05, qwen3_head_dim=64),
@@ -291,7 +291,7 @@ def make_model(
     from transformers.initialization import no_init_weights
 
     # _randomize_weights sets every parameter: transformers' own init would be wasted
-    # (~10 s for the llama-1b preset).
+    # (slow for the llama-1b preset).
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.tie_weights()  # (skipped with the init above)

@@ -4,30 +4,28 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from engine_service.attention import AttentionMetadata
+from engine_service.batch import BatchInputs, ForwardTimer, InFlight, RunnerOutput
 from engine_service.config import EngineConfig
 from engine_service.cuda_graphs import DecodeGraphs
 from engine_service.input_staging import InputStaging
 from engine_service.kv_cache.manager import KVCacheManager
 from engine_service.lora import LoRAManager
-from engine_service.prompt_outputs import PromptOutputs
-from engine_service.request import PENDING_TOKEN, Request
+from engine_service.prompt_outputs import pool, prompt_logprobs
 from engine_service.sampler import (
     Sampler,
     SamplingMetadata,
     argmax_suffices,
     reads_outputs_on_host,
 )
-from engine_service.scheduler import SchedulerOutput
+from engine_service.scheduler import ScheduledRequest, SchedulerOutput
 from engine_service.structured_output import StructuredOutputManager
 from tandem.protocol.model_config import ModelConfig
-from tandem.protocol.outputs import Logprobs
 
 if TYPE_CHECKING:
     from engine_service.distributed.executor import TensorParallelExecutor
@@ -35,59 +33,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class RunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)  # request id -> sampled token
-    logprobs: dict[str, Logprobs] = field(default_factory=dict)
-    prompt_logprobs: dict[str, Logprobs] = field(default_factory=dict)  # complete ones only
-    pooled: dict[str, list[float]] = field(default_factory=dict)  # pooling request id -> vector
-
-
-@dataclass
-class BatchInputs:
-    input_ids: torch.Tensor  # [num_tokens] int64
-    positions: torch.Tensor  # [num_tokens] int64
-    attn: AttentionMetadata
-    sample_rows: list[int]  # row of the last token of each sampling request, in batch order
-    sample_idx: list[int]  # index into SchedulerOutput.scheduled of each sampling request
-    pool_idx: list[int]  # index into SchedulerOutput.scheduled of each pooling request
-    # Rows of the hidden state the LM head reads this step, in one call: each prompt-
-    # logprobs chunk's rows (request order), then ``sample_rows``.
-    logit_rows: list[int] = field(default_factory=list)
-    # scheduled index -> (first row in the logits, row count) of its prompt-logprobs chunk
-    prompt_logit_spans: dict[int, tuple[int, int]] = field(default_factory=dict)
-    # The decode graph's padded size when the inputs were staged into its buffers
-    # (DecodeGraphs.stage; the tensors above are views of them); None: run eagerly.
-    graph_size: int | None = None
-    # Async scheduling: (row, request id) of the input tokens that are placeholders for
-    # the previous step's sampled tokens, filled in on the device (``launch``).
-    pending: list[tuple[int, str]] = field(default_factory=list)
-
-
-class InFlight:
-    """The sampled tokens of a launched step: ``tokens`` [B] on the device, in the order
-    of ``request_ids``, copied to the host without blocking; ``wait`` reads them."""
-
-    def __init__(self, request_ids: list[str], tokens: torch.Tensor) -> None:
-        self.request_ids = request_ids
-        self.tokens = tokens
-        self.index = {rid: i for i, rid in enumerate(request_ids)}
-        self._event: torch.cuda.Event | None = None
-        if tokens.is_cuda:
-            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self._host.copy_(tokens, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._host = tokens
-
-    def wait(self) -> RunnerOutput:
-        if self._event is not None:
-            self._event.synchronize()
-        return RunnerOutput(sampled=dict(zip(self.request_ids, self._host.tolist(), strict=True)))
-
-
-class ModelRunner(PromptOutputs):
+class ModelRunner:
     """Owns the model, its KV cache tensors and the sampler."""
 
     def __init__(
@@ -159,15 +105,18 @@ class ModelRunner(PromptOutputs):
         pending: list[tuple[int, str]] = []  # (row, request id) of placeholder input tokens
         for i, entry in enumerate(sched.scheduled):
             request = entry.request
-            start, n = request.num_computed_tokens, entry.num_new_tokens
+            start, n = entry.start, entry.num_new_tokens
             block_ids = self.kv.block_ids(request.request_id)
-            tokens.extend(request.all_token_ids[start : start + n])
             if n == 1:
-                if request.all_token_ids[start] == PENDING_TOKEN:  # async: still on the device
-                    pending.append((len(tokens) - 1, request.request_id))
+                if start < request.num_tokens:
+                    tokens.append(request.all_token_ids[start])
+                else:  # async: an output placeholder, its token still on the device
+                    pending.append((len(tokens), request.request_id))
+                    tokens.append(0)
                 positions_l.append(start)
                 slots.append(block_ids[start // bs] * bs + start % bs)
             else:
+                tokens.extend(request.all_token_ids[start : start + n])
                 pos = np.arange(start, start + n, dtype=np.int64)
                 positions_l.extend(range(start, start + n))
                 slots.extend((np.asarray(block_ids, dtype=np.int64)[pos // bs] * bs + pos % bs).tolist())
@@ -217,7 +166,7 @@ class ModelRunner(PromptOutputs):
             request = entry.request
             if not request.prompt_logprobs_pending:
                 continue
-            start = request.num_computed_tokens
+            start = entry.start
             count = min(start + entry.num_new_tokens, request.num_prompt_tokens - 1) - start
             if count > 0:
                 batch.prompt_logit_spans[i] = (len(batch.logit_rows), count)
@@ -246,7 +195,9 @@ class ModelRunner(PromptOutputs):
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         batch = self._prepare(sched)
-        requests = [sched.scheduled[i].request for i in batch.sample_idx]
+        timer = ForwardTimer(self.device)
+        sampling = [sched.scheduled[i] for i in batch.sample_idx]
+        requests = [e.request for e in sampling]
         # Structured-output masks are filled on a worker thread during the forward.
         mask = self.structured.start_fill(requests) if self.structured is not None else None
         if self.lora is not None:
@@ -260,47 +211,72 @@ class ModelRunner(PromptOutputs):
         finally:
             if self.lora is not None:
                 self.lora.end_step()
+        out = self._outputs(sched, batch, hidden, sampling, mask)
+        timer.stop()
+        out.forward_seconds = timer.seconds()
+        return out
+
+    def _outputs(
+        self,
+        sched: SchedulerOutput,
+        batch: BatchInputs,
+        hidden: torch.Tensor,
+        sampling: list[ScheduledRequest],
+        mask: object,
+    ) -> RunnerOutput:
+        """The step's tokens, logprobs, prompt logprobs and pooled vectors from ``hidden``
+        ([num_tokens, H]); ``sampling``: the entries that sample, in row order."""
+        requests = [e.request for e in sampling]
         rows = batch.logit_rows
         out = RunnerOutput()
-        # A decode batch asks for every row in order: no gather (~0.1 ms at batch 1).
+        # A decode batch asks for every row in order: no gather.
         identity = len(rows) == hidden.shape[0] and rows == list(range(len(rows)))
-        # Every sampled row takes the argmax of its raw logits (no SamplingMetadata); when
-        # no row needs anything else of the logits, the LM head may hand back the tokens
-        # alone (``greedy_tokens``; None: compute the logits, as a tensor-parallel shard
-        # always answers, since its logits are a collective).
-        plain_greedy = mask is None and all(
-            argmax_suffices(r.sampling_params, len(r.output_token_ids), r.eos_token_id) for r in requests
-        )
         only_sampled = bool(rows) and len(rows) == len(batch.sample_rows) and not batch.pool_idx
-        if plain_greedy and only_sampled:
-            greedy = self.model.greedy_tokens(hidden if identity else hidden[rows])
-            if greedy is not None:
-                for request, token in zip(requests, greedy.tolist(), strict=True):
-                    out.sampled[request.request_id] = token
-                return out
+        if only_sampled and mask is None and not any(r.sampling_params.logprobs is not None for r in requests):
+            tokens = self._sample(sampling, hidden if identity else hidden[rows])
+            out.sampled = dict(zip([r.request_id for r in requests], tokens.tolist(), strict=True))
+            return out
         # [len(logit_rows), vocab] float32; one LM-head call (a collective under TP)
         all_logits = self.model.compute_logits(hidden if identity else hidden[rows]) if rows else None
-        self._prompt_logprobs(sched, batch, all_logits, out)
+        prompt_logprobs(sched, batch, all_logits, out)
         if batch.pool_idx:
-            self._pool(sched, batch, hidden, out)
+            pool(sched, batch, hidden, out)
         if not batch.sample_rows:
             return out
         logits = all_logits[len(batch.logit_rows) - len(batch.sample_rows) :]  # [B, vocab]
-        if plain_greedy:
-            for request, token in zip(requests, self.sampler.argmax(logits).tolist(), strict=True):
-                out.sampled[request.request_id] = token
-            return out
         if mask is not None:
             self.structured.apply(logits, mask)  # before sampling: logprobs see the mask
-        metadata = self._sampling_metadata(requests, logits.device)
-        result = self.sampler(logits, metadata)
-        tokens = result.sampled_token_ids.tolist()
-        for row, request in enumerate(requests):
-            out.sampled[request.request_id] = tokens[row]
-            num = request.sampling_params.logprobs
-            if num is not None and result.logprobs is not None:
-                out.logprobs[request.request_id] = result.logprobs.to_logprobs([row], num)
+        if mask is None and self._argmax_suffices(sampling):
+            tokens = self.sampler.argmax(logits).tolist()
+        else:
+            result = self.sampler(logits, self._sampling_metadata(sampling, logits.device))
+            tokens = result.sampled_token_ids.tolist()
+            for row, request in enumerate(requests):
+                num = request.sampling_params.logprobs
+                if num is not None and result.logprobs is not None:
+                    out.logprobs[request.request_id] = result.logprobs.to_logprobs([row], num)
+        for request, token in zip(requests, tokens, strict=True):
+            out.sampled[request.request_id] = token
         return out
+
+    def _sample(self, sampling: list[ScheduledRequest], hidden: torch.Tensor) -> torch.Tensor:
+        """``[B]`` tokens on the device for the ``sampling`` entries from their rows of ``hidden``
+        ([B, H]). Where every row takes the argmax of its raw logits, the LM head may
+        hand back the tokens alone (``greedy_tokens``; None: compute the logits, as a
+        tensor-parallel shard always answers, since its logits are a collective)."""
+        if self._argmax_suffices(sampling):
+            tokens = self.model.greedy_tokens(hidden)
+            if tokens is not None:
+                return tokens
+            return self.sampler.argmax(self.model.compute_logits(hidden))
+        logits = self.model.compute_logits(hidden)
+        return self.sampler(logits, self._sampling_metadata(sampling, logits.device)).sampled_token_ids
+
+    @staticmethod
+    def _argmax_suffices(sampling: list[ScheduledRequest]) -> bool:
+        return all(
+            argmax_suffices(e.request.sampling_params, e.num_outputs_before, e.request.eos_token_id) for e in sampling
+        )
 
     # ---- async scheduling: launch now, read the tokens back later ----------------------
 
@@ -309,7 +285,7 @@ class ModelRunner(PromptOutputs):
         on the device: nothing in it reads a request's earlier tokens on the host
         (penalties, structured output, logprobs) or returns more than a token (pooling,
         prompt logprobs), on one process without adapters."""
-        if self.lora is not None or self.executor is not None:
+        if self.lora is not None or self.executor is not None or sched.is_empty:
             return False
         for entry in sched.scheduled:
             request = entry.request
@@ -324,32 +300,30 @@ class ModelRunner(PromptOutputs):
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, previous: InFlight | None) -> InFlight:
         """Queue a ``pipelinable`` step's forward and sampling on the device and return
-        without waiting for it. Placeholder input tokens (``PENDING_TOKEN``) are taken
-        from ``previous``'s sampled tokens on the device."""
+        without waiting for it. Input tokens of output placeholders are taken from
+        ``previous``'s sampled tokens on the device."""
         batch = self._prepare(sched)
+        timer = ForwardTimer(self.device)
         if batch.pending:
             if previous is None:
-                raise RuntimeError("a placeholder token without the step that samples it")
+                raise RuntimeError("an output placeholder without the step that samples it")
             rows = self._to_device([row for row, _ in batch.pending], torch.int64)
             src = self._to_device([previous.index[rid] for _, rid in batch.pending], torch.int64)
             batch.input_ids[rows] = previous.tokens[src].to(batch.input_ids.dtype)
-        requests = [sched.scheduled[i].request for i in batch.sample_idx]
+        sampling = [sched.scheduled[i] for i in batch.sample_idx]
+        requests = [e.request for e in sampling]
         hidden = self._forward(batch)
-        rows_l = batch.sample_rows
-        if not rows_l:  # prefill chunks only: nothing sampled
-            return InFlight([], torch.empty(0, dtype=torch.int64, device=hidden.device))
-        h = hidden if rows_l == list(range(hidden.shape[0])) else hidden[self._to_device(rows_l, torch.int64)]
-        if all(argmax_suffices(r.sampling_params, len(r.output_token_ids), r.eos_token_id) for r in requests):
-            tokens = self.model.greedy_tokens(h)
-            if tokens is None:
-                tokens = self.sampler.argmax(self.model.compute_logits(h))
+        rows = batch.sample_rows
+        if not rows:  # prefill chunks only: nothing sampled
+            tokens = torch.empty(0, dtype=torch.int64, device=hidden.device)
         else:
-            logits = self.model.compute_logits(h)
-            metadata = self._sampling_metadata(requests, logits.device)
-            tokens = self.sampler(logits, metadata).sampled_token_ids
-        return InFlight([r.request_id for r in requests], tokens)
+            h = hidden if rows == list(range(hidden.shape[0])) else hidden[self._to_device(rows, torch.int64)]
+            tokens = self._sample(sampling, h)
+        timer.stop()
+        return InFlight([r.request_id for r in requests], tokens, timer)
 
-    def _sampling_metadata(self, requests: list[Request], device: torch.device) -> SamplingMetadata:
+    def _sampling_metadata(self, sampling: list[ScheduledRequest], device: torch.device) -> SamplingMetadata:
+        requests = [e.request for e in sampling]
         return SamplingMetadata.from_requests(
             [r.sampling_params for r in requests],
             [r.prompt_token_ids for r in requests],
@@ -358,6 +332,7 @@ class ModelRunner(PromptOutputs):
             [r.eos_token_id for r in requests],
             self.model_config.vocab_size,
             device,
+            [e.num_outputs_before for e in sampling],
         )
 
 def _sampler_for(config: EngineConfig) -> Sampler:

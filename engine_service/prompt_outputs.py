@@ -1,4 +1,4 @@
-"""What a step computes from prompts beyond sampled tokens, mixed into the ModelRunner:
+"""What a step computes from prompts beyond sampled tokens, for the ModelRunner:
 pooled vectors of pooling requests (embeddings) and prompt logprobs, each gathered
 chunk by chunk over a chunked prefill."""
 
@@ -12,57 +12,52 @@ from engine_service.sampler import LogprobsTensors, compute_logprobs_tensors
 from tandem.protocol.outputs import Logprobs
 
 if TYPE_CHECKING:
-    from engine_service.model_runner import BatchInputs, RunnerOutput
+    from engine_service.batch import BatchInputs, RunnerOutput
     from engine_service.request import Request
     from engine_service.scheduler import SchedulerOutput
 
 
-class PromptOutputs:
-    """Mixed into ModelRunner: fills a step's ``RunnerOutput.pooled`` and
-    ``prompt_logprobs``."""
+def pool(sched: SchedulerOutput, batch: BatchInputs, hidden: torch.Tensor, out: RunnerOutput) -> None:
+    """Pooling requests: their rows of ``hidden`` ([num_tokens, H]) this step."""
+    qsl = batch.attn.query_start_loc.tolist()
+    for i in batch.pool_idx:
+        entry = sched.scheduled[i]
+        request = entry.request
+        vector = _pool_chunk(request, hidden[qsl[i] : qsl[i + 1]], entry.start, entry.samples)
+        if vector is not None:
+            out.pooled[request.request_id] = vector
 
-    def _pool(
-        self, sched: SchedulerOutput, batch: BatchInputs, hidden: torch.Tensor, out: RunnerOutput
-    ) -> None:
-        """Pooling requests: their rows of ``hidden`` ([num_tokens, H]) this step."""
-        qsl = batch.attn.query_start_loc.tolist()
-        for i in batch.pool_idx:
-            entry = sched.scheduled[i]
-            request = entry.request
-            vector = _pool_chunk(request, hidden[qsl[i] : qsl[i + 1]], request.num_computed_tokens, entry.samples)
-            if vector is not None:
-                out.pooled[request.request_id] = vector
 
-    def _prompt_logprobs(
-        self, sched: SchedulerOutput, batch: BatchInputs, all_logits: torch.Tensor | None, out: RunnerOutput
-    ) -> None:
-        """Logprobs of each prompt token given its prefix, gathered chunk by chunk.
+def prompt_logprobs(
+    sched: SchedulerOutput, batch: BatchInputs, all_logits: torch.Tensor | None, out: RunnerOutput
+) -> None:
+    """Logprobs of each prompt token given its prefix, gathered chunk by chunk.
 
-        The logit at token index j predicts token j + 1, so a chunk [c, c + n) scores
-        prompt tokens c + 1 .. min(c + n, P - 1).
-        """
-        for i, entry in enumerate(sched.scheduled):
-            request = entry.request
-            if not request.prompt_logprobs_pending:
-                continue
-            num = request.sampling_params.prompt_logprobs or 0
-            start, n = request.num_computed_tokens, entry.num_new_tokens
-            end = min(start + n, request.num_prompt_tokens - 1)
-            if end > start:
-                first, count = batch.prompt_logit_spans[i]
-                logits = all_logits[first : first + count]
-                targets = torch.tensor(
-                    request.prompt_token_ids[start + 1 : end + 1], device=logits.device
-                )
-                request.prompt_logprobs_chunks.append(
-                    compute_logprobs_tensors(torch.log_softmax(logits, dim=-1), num, targets)
-                )
-            if start + n >= request.num_prompt_tokens:
-                out.prompt_logprobs[request.request_id] = _join_logprobs(
-                    request.prompt_logprobs_chunks, num
-                )
-                request.prompt_logprobs_chunks.clear()
-                request.prompt_logprobs_pending = False
+    The logit at token index j predicts token j + 1, so a chunk [c, c + n) scores
+    prompt tokens c + 1 .. min(c + n, P - 1).
+    """
+    for i, entry in enumerate(sched.scheduled):
+        request = entry.request
+        if not request.prompt_logprobs_pending:
+            continue
+        num = request.sampling_params.prompt_logprobs or 0
+        start, n = entry.start, entry.num_new_tokens
+        end = min(start + n, request.num_prompt_tokens - 1)
+        if end > start:
+            first, count = batch.prompt_logit_spans[i]
+            logits = all_logits[first : first + count]
+            targets = torch.tensor(
+                request.prompt_token_ids[start + 1 : end + 1], device=logits.device
+            )
+            request.prompt_logprobs_chunks.append(
+                compute_logprobs_tensors(torch.log_softmax(logits, dim=-1), num, targets)
+            )
+        if start + n >= request.num_prompt_tokens:
+            out.prompt_logprobs[request.request_id] = _join_logprobs(
+                request.prompt_logprobs_chunks, num
+            )
+            request.prompt_logprobs_chunks.clear()
+            request.prompt_logprobs_pending = False
 
 
 def _pool_chunk(

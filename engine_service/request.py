@@ -103,17 +103,17 @@ class RequestTimes:
         return self.finished - self.arrival
 
 
-# Stands in ``all_token_ids`` for a token sampled on the device and not yet read back.
-PENDING_TOKEN = -1
-
-
 class Request:
     """One sequence being generated.
 
-    Invariant: ``num_computed_tokens <= num_tokens``; the tokens in
-    ``[num_computed_tokens, num_tokens)`` still need a forward pass. A prompt chunk,
-    a prefix-cache hit and a decode step all just move ``num_computed_tokens``.
+    Invariant: ``num_computed_tokens <= num_tokens + num_output_placeholders``; the
+    tokens in ``[num_computed_tokens, num_tokens)`` still need a forward pass. A prompt
+    chunk, a prefix-cache hit and a decode step all just move ``num_computed_tokens``.
+
+    ``status`` changes only in ``request_lifecycle.py`` (``RequestLifecycle``).
     """
+
+    status: RequestStatus = RequestStatus.WAITING
 
     def __init__(
         self,
@@ -154,14 +154,16 @@ class Request:
         # time.monotonic() after which the client no longer waits (arrival + timeout_s).
         self.deadline: float | None = None if timeout_s is None else self.times.arrival + timeout_s
 
-        self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = list(generated_token_ids or ())
         # prompt + output; appended to as tokens are sampled.
         self.all_token_ids: list[int] = list(prompt_token_ids) + self.output_token_ids
         self.num_computed_tokens = 0
-        # Async scheduling: trailing PENDING_TOKEN placeholders of tokens sampled on the
-        # device but not yet read back (0 or 1); see Scheduler.advance_in_flight.
-        self.num_pending_tokens = 0
+        # Async scheduling: tokens sampled on the device, counted as computed, not yet
+        # read back (0 or 1; async_scheduler.py). They are in no token list.
+        self.num_output_placeholders = 0
+        # A session's turn, counted from 0 (``resume``): a step scheduled for an earlier
+        # turn no longer applies to the request.
+        self.turn = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet
         self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None
@@ -197,7 +199,7 @@ class Request:
         self.all_token_ids = list(self.prompt_token_ids)
         self.output_token_ids = []
         self.sampling_params = params
-        self.status = RequestStatus.WAITING
+        self.turn += 1
         self.finish_reason = self.stop_reason = self.error = None
         # Reported as cached: what carries over (-1, "not yet": an evicted session's
         # next turn looks its history up in the prefix cache).

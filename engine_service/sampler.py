@@ -18,7 +18,7 @@ Order of work (as vLLM v1):
 
 Every step is skipped when no row of the batch needs it: the common batch (plain
 temperature sampling, no penalties) costs a softmax, one [R, V] uniform draw, a log and
-an argmax. On CPU the uniform draw dominates (about 6 ns per element).
+an argmax. On CPU the uniform draw dominates.
 """
 
 from __future__ import annotations
@@ -114,18 +114,23 @@ class SamplingMetadata:
         eos_token_ids: list[int | None],
         vocab_size: int,
         device: torch.device | str,
+        num_outputs: list[int] | None = None,
     ) -> SamplingMetadata:
         """Build one step's metadata; row i is request i of every list.
 
         A row with top_k = 1 is made greedy: same token, no random draw. A seeded row
-        samples its output position ``len(output_token_ids[row])``.
+        samples its output position ``num_outputs[row]`` (the tokens it already has,
+        counted; by default ``len(output_token_ids[row])``), which min_tokens also reads.
         """
+        if num_outputs is None:
+            num_outputs = [len(ids) for ids in output_token_ids]
         num_rows = len(params)
         for name, values in (
             ("prompt_token_ids", prompt_token_ids),
             ("output_token_ids", output_token_ids),
             ("seeds", seeds),
             ("eos_token_ids", eos_token_ids),
+            ("num_outputs", num_outputs),
         ):
             if len(values) != num_rows:
                 raise ValueError(f"{name} has {len(values)} rows, expected {num_rows}")
@@ -149,10 +154,8 @@ class SamplingMetadata:
             min_p.append(0.0 if greedy else p.min_p)
             seed = seeds[row]
             if seed is not None and not greedy:
-                seeded[row] = (seed, len(output_token_ids[row]))
-            min_tokens_block.append(
-                _min_tokens_block(p, len(output_token_ids[row]), eos_token_ids[row])
-            )
+                seeded[row] = (seed, num_outputs[row])
+            min_tokens_block.append(_min_tokens_block(p, num_outputs[row], eos_token_ids[row]))
 
         def tensor_if(
             values: list[float] | list[int], neutral: float, dtype: torch.dtype

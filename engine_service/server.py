@@ -1,12 +1,12 @@
 """The engine service: one EngineCore behind gRPC (``tandem engine``).
 
 Threads: the core's busy loop (``EngineCoreLoop``) loads the model and steps on its
-own thread; the servicers' pump thread (``servicer.py``) turns each step's
-``EngineCoreOutputs`` into one protobuf message per connected frontend, then feeds the
-metrics, the stats log and the request spans (all off the step loop); the asyncio event
-loop only moves messages between streams and queues. This module wires the process:
-servers (``tandem.v1.EngineCore`` and ``vllm.grpc.engine.VllmEngine`` on one port),
-health, start-up and warm-up, signals and the drain, and the CLI.
+own thread, handing each step's ``EngineCoreOutputs`` to the asyncio event loop; there
+the servicer (``servicer.py``) sends every client its share and then feeds the metrics,
+the stats log and the request spans (all off the step loop). This module wires the
+process: servers (``tandem.v1.EngineCore`` and ``vllm.grpc.engine.VllmEngine`` on one
+port, ``tandem.v1.KvTransfer`` on a KV producer), health, start-up and warm-up, and the
+CLI; the life after start-up (signals, the drain, a hung loop) is ``lifecycle.py``'s.
 """
 
 from __future__ import annotations
@@ -29,7 +29,12 @@ from engine_service.cpu import keep_freed_memory_mapped
 from engine_service.kv_transfer.grpc_connector import GrpcKvConnector
 from engine_service.kv_transfer.service import SERVICE_NAME as KV_SERVICE_NAME
 from engine_service.kv_transfer.service import KvTransferServicer
-from engine_service.lifecycle import add_lifecycle_cli, run_until_stopped
+from engine_service.lifecycle import (
+    LifecycleConfig,
+    add_lifecycle_cli,
+    lifecycle_config_from_args,
+    run_until_stopped,
+)
 from engine_service.metrics import EngineMetrics, StatsLogger
 from engine_service.servicer import MESSAGE_LIMITS, SERVICE_NAME, EngineServicer
 from engine_service.vllm_grpc.kv_events import KvEventLog
@@ -74,21 +79,15 @@ class EngineServerConfig:
     metrics_port: int = 0  # Prometheus /metrics on host:metrics_port; 0: off
     log_stats_interval: float = 10.0  # seconds between stats log lines; 0: off
     security: ServerSecurity = field(default_factory=ServerSecurity)  # TLS, tokens, admin port
-    # Seconds in-flight requests get to finish after SIGTERM/SIGINT; the rest are
-    # then aborted with UNAVAILABLE "drain timeout: aborted".
-    drain_timeout: float = 30.0
-    # A step loop busy with requests that finishes no step for this many seconds is
-    # hung: liveness goes NOT_SERVING and the process exits 1.
-    step_timeout: float = 120.0
+    lifecycle: LifecycleConfig = field(default_factory=LifecycleConfig)  # drain and step timeouts
 
 
 def _warm_up(core: EngineCore) -> None:
     """A full-budget prefill and a decode through the whole step path before SERVING.
 
     The first step of a new size pays one-time costs (oneDNN primitives for its row
-    count, first touches of activation memory): measured on bench-135m, a first
-    2048-token step took 2.7 s against 1.6 s warm. The warm-up's prompt is dropped
-    from the prefix cache afterwards.
+    count, first touches of activation memory), which the first request would
+    otherwise wait for. The warm-up's prompt is dropped from the prefix cache afterwards.
     """
     n = max(1, min(core.config.max_num_batched_tokens, core.max_model_len - 2))
     prompt = [i % core.model_config.vocab_size for i in range(1, n + 1)]
@@ -187,7 +186,7 @@ async def _serve_engine(
         core = EngineCore(engine_config, server_config.engine_index, tracer, kv_connector=kv_connector)
         with tracer.start_as_current_span("warm_up") if tracer is not None else contextlib.nullcontext():
             _warm_up(core)
-        core.kv_manager.pool.events = kv_events  # after the warm-up: its blocks are no news
+        core.kv_manager.set_event_sink(kv_events)  # after the warm-up: its blocks are no news
         return core
 
     with startup:  # model load, KV-cache allocation and warm-up as child spans
@@ -201,7 +200,9 @@ async def _serve_engine(
     await service_health.ready()
     logger.info("engine %d SERVING %s", server_config.engine_index, engine_config.model)
 
-    status = await run_until_stopped(servicer, service_health, engine_loop, server_config, signals)
+    status = await run_until_stopped(
+        servicer, service_health, engine_loop, server_config.engine_index, server_config.lifecycle, signals
+    )
     await health_servicer.enter_graceful_shutdown()
     await server.stop(server_config.grace_seconds)
     if status == 0:  # a dead or hung loop thread is never joined
@@ -275,8 +276,7 @@ def run_cli(args: argparse.Namespace) -> int:
         log_stats_interval=args.log_stats_interval,
         health_port=args.health_port,
         security=server_security_from_args(args, engine=True),
-        drain_timeout=args.drain_timeout,
-        step_timeout=args.step_timeout,
+        lifecycle=lifecycle_config_from_args(args),
     )
     tracing = telemetry.tracing_from_env("tandem-engine")
     try:

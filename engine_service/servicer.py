@@ -1,10 +1,12 @@
 """The engine's ``tandem.v1.EngineCore`` servicer: frontends' streams in, step outputs out.
 
-One ``_Client`` per connected frontend stream (or in-process reader, such as a
-``VllmEngine`` call); requests go to the core loop's queue, and the step thread hands
-each step's ``EngineCoreOutputs`` to this event loop, which sends every client its share
-(client_outputs.py) and then feeds the metrics, the stats log and the request spans (all
-off the step loop).
+``EngineServicer`` admits requests (validation, the drain) into the core loop's queue,
+runs utility calls and drives the graceful drain. Its ``outputs`` (a ``ClientOutputs``,
+client_outputs.py) hold one ``Client`` per connected frontend stream or in-process reader
+(such as a ``VllmEngine`` call) and which client owns each request. The step thread hands
+each step's ``EngineCoreOutputs`` to this event loop, where a utility answer goes to its
+caller and request outputs to ``outputs.dispatch``; then the step feeds the metrics, the
+stats log and the request spans (all off the step loop).
 """
 
 from __future__ import annotations
@@ -16,12 +18,11 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import grpc
-from opentelemetry.trace import SpanKind
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from engine_service.client_outputs import ClientOutputs, _Client
+from engine_service.client_outputs import Client, ClientOutputs
 from engine_service.core import EngineCore
 from engine_service.core_loop import EngineCoreLoop, EngineDead, UtilityCall
 from engine_service.metrics import EngineMetrics, StatsLogger
@@ -34,6 +35,7 @@ from tandem.protocol.outputs import (
     EngineCoreRequest,
     ErrorCode,
     RequestError,
+    UtilityOutput,
 )
 from tandem.protocol.sampling_params import InvalidRequestError
 from tandem.telemetry import Tracing
@@ -48,7 +50,8 @@ MESSAGE_LIMITS = MessageLimits(max_receive_bytes=64 * 1024 * 1024, max_send_byte
 # The largest Hello.output_window honoured (a larger one is taken as this).
 MAX_OUTPUT_WINDOW = 64
 
-class EngineServicer(ClientOutputs, engine_pb2_grpc.EngineCoreServicer):
+
+class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
     """Registered before the model loads; RPCs answer UNAVAILABLE until ``attach``."""
 
     def __init__(
@@ -63,19 +66,13 @@ class EngineServicer(ClientOutputs, engine_pb2_grpc.EngineCoreServicer):
         self.metrics = metrics
         self.stats_logger = stats_logger
         self.span_emitter: RequestSpanEmitter | None = None  # set by attach() when tracing
-        self._utility_spans: dict[int, Any] = {}  # internal call id -> open span
         self.engine_loop: EngineCoreLoop = None  # type: ignore[assignment]
         self.model_dir = model_dir
         self.fingerprint = tokenizer_fingerprint(model_dir)
-        self.clients: dict[int, _Client] = {}
-        self.owner: dict[str, int] = {}  # request id -> client id
-        # Streaming-input sessions: their turns end without ending them (owner kept);
-        # ``idle_sessions`` are between turns, waiting for the next add or an abort.
-        self.resumable: set[str] = set()
-        self.idle_sessions: set[str] = set()
+        self.outputs = ClientOutputs()
         # internal call id -> a local waiter, or (client id, the client's own call id)
-        self.pending_utility: dict[int, asyncio.Future[object] | tuple[int, int]] = {}
-        self._client_ids = itertools.count()
+        self.pending_utility: dict[int, asyncio.Future[UtilityOutput] | tuple[int, int]] = {}
+        self._utility_spans: dict[int, Span] = {}  # internal call id -> open span
         self._call_ids = itertools.count(1)
         self.aio_loop: asyncio.AbstractEventLoop | None = None
         self._stats_task: asyncio.Task[None] | None = None
@@ -119,7 +116,11 @@ class EngineServicer(ClientOutputs, engine_pb2_grpc.EngineCoreServicer):
         if isinstance(item, EngineDead):
             self._on_dead(item)
             return
-        self._dispatch(item)
+        if item.utility_output is not None:
+            self._utility_done(item, item.utility_output)
+        else:
+            self.outputs.dispatch(item, self.draining)
+            self._note_if_drained()
         self._observe(item)
 
     async def _log_stats(self, stats_logger: StatsLogger) -> None:
@@ -148,11 +149,9 @@ class EngineServicer(ClientOutputs, engine_pb2_grpc.EngineCoreServicer):
         if self.dead is not None:  # the watchdog and the pump may both report it
             return
         self.dead = dead
-        msg = convert.engine_dead_outputs(self.core.engine_index, dead.message, time.time())
-        for client in self.clients.values():
-            if not client.local:  # a local reader finds ``self.dead`` at the None
-                self._send_now(client, msg)
-            client.outbox.put_nowait(None)
+        # Local readers get only the end of their stream and find ``self.dead`` there.
+        self.outputs.broadcast(convert.engine_dead_outputs(self.core.engine_index, dead.message, time.time()))
+        self.outputs.end_streams()
         self.died.set()
 
     # ---- graceful drain (engine_service/lifecycle.py drives it) ---------------------
@@ -162,22 +161,19 @@ class EngineServicer(ClientOutputs, engine_pb2_grpc.EngineCoreServicer):
         if self.draining:
             return
         self.draining = True
-        logger.info("engine %d draining: %d requests in flight", self.core.engine_index, len(self.owner))
-        for client in self.clients.values():
-            if not client.local:
-                self._send_now(client, self._draining_message())
+        logger.info(
+            "engine %d draining: %d requests in flight", self.core.engine_index, len(self.outputs.owner)
+        )
+        self.outputs.broadcast(self._draining_message())
         self._note_if_drained()
 
     def abort_all(self, message: str) -> int:
         """End every accepted request with UNAVAILABLE ``message``; returns how many."""
         error = RequestError(ErrorCode.UNAVAILABLE, message)
-        left = list(self.owner.items())
-        for rid, cid in left:
-            client = self.clients.get(cid)
+        left = self.outputs.disown_all()  # the core's own ABORT outputs then have no owner
+        for rid, client in left:
             if client is not None:
-                client.request_ids.discard(rid)
                 self._send_error(client, rid, error)
-        self.owner.clear()  # the core's own ABORT outputs for these then have no owner
         if left:
             self.engine_loop.abort_requests([rid for rid, _ in left])
         self._note_if_drained()
@@ -185,8 +181,7 @@ class EngineServicer(ClientOutputs, engine_pb2_grpc.EngineCoreServicer):
 
     def close_streams(self) -> None:
         """End every frontend's stream (after the drain; the outboxes flush first)."""
-        for client in self.clients.values():
-            self._send_now(client, None)
+        self.outputs.end_streams()
 
     def fail(self, reason: str) -> None:
         """The step loop hung (the watchdog's verdict): as if the core had died."""
@@ -201,47 +196,35 @@ class EngineServicer(ClientOutputs, engine_pb2_grpc.EngineCoreServicer):
         )
 
     def _note_if_drained(self) -> None:
-        if self.draining and not self.owner:
+        if self.draining and not self.outputs.owner:
             self.drained.set()
 
-    def _send_error(self, client: _Client, rid: str, error: RequestError) -> None:
-        step = EngineCoreOutputs.refusal(self.core.engine_index, rid, error, draining=self.draining)
-        if client.local:
-            client.outbox.put_nowait(step)
-        else:
-            self._send_now(client, convert.engine_core_outputs_to_proto(step))
+    def _send_error(self, client: Client, rid: str, error: RequestError) -> None:
+        self.outputs.send_step(
+            client, EngineCoreOutputs.refusal(self.core.engine_index, rid, error, draining=self.draining)
+        )
 
     # ---- in-process readers (engine_service/vllm_grpc) ------------------------------
 
-    def open_local_client(self) -> _Client:
+    def open_local_client(self) -> Client:
         """A client whose outbox gets domain outputs; close it with ``close_local_client``."""
-        client = _Client(next(self._client_ids), local=True)
-        self.clients[client.client_id] = client
-        return client
+        return self.outputs.open(local=True)
 
-    def close_local_client(self, client: _Client) -> None:
+    def close_local_client(self, client: Client) -> None:
         """Forget ``client`` and abort what it still runs; nobody reads their outputs
         (idempotent)."""
-        self.clients.pop(client.client_id, None)
-        ids = [rid for rid in client.request_ids if self.owner.get(rid) == client.client_id]
-        client.request_ids.clear()
+        ids = self.outputs.close(client)
         if ids:
             logger.info("local client %d left; aborting %s", client.client_id, ", ".join(ids))
-            for rid in ids:
-                del self.owner[rid]
             self.engine_loop.abort_requests(ids)
             self._note_if_drained()
 
-    def abort_owned(self, client: _Client, request_ids: list[str]) -> None:
+    def abort_owned(self, client: Client, request_ids: list[str]) -> None:
         """Abort those of ``request_ids`` that ``client`` runs; their ABORT outputs still
         reach it. Unknown or finished ids are ignored: a second abort is a no-op."""
-        ids = [rid for rid in request_ids if self.owner.get(rid) == client.client_id]
+        ids = self.outputs.owned_by(client, request_ids)
         if ids:
             self.engine_loop.abort_requests(ids)
-
-    def owner_client(self, request_id: str) -> _Client | None:
-        cid = self.owner.get(request_id)
-        return None if cid is None else self.clients.get(cid)
 
     # ---- RPCs ---------------------------------------------------------------------
 
@@ -251,8 +234,7 @@ class EngineServicer(ClientOutputs, engine_pb2_grpc.EngineCoreServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[engine_pb2.EngineCoreOutputs]:
         await self._require_ready(context)
-        client = _Client(next(self._client_ids))
-        self.clients[client.client_id] = client
+        client = self.outputs.open()
         if self.draining:
             client.outbox.put_nowait(self._draining_message())
         reader = asyncio.ensure_future(self._read_inputs(client, request_iterator, context))
@@ -264,18 +246,16 @@ class EngineServicer(ClientOutputs, engine_pb2_grpc.EngineCoreServicer):
                 yield msg
         finally:
             reader.cancel()
-            self.clients.pop(client.client_id, None)
-            if client.request_ids:
+            ids = self.outputs.close(client)
+            if ids:
                 # The frontend went away: nobody will read these requests.
-                logger.info("client %d left; aborting %d requests", client.client_id, len(client.request_ids))
-                for rid in client.request_ids:
-                    self.owner.pop(rid, None)
-                self.engine_loop.abort_requests(list(client.request_ids))
+                logger.info("client %d left; aborting %d requests", client.client_id, len(ids))
+                self.engine_loop.abort_requests(ids)
                 self._note_if_drained()
 
     async def _read_inputs(
         self,
-        client: _Client,
+        client: Client,
         inputs: AsyncIterator[engine_pb2.EngineCoreInput],
         context: grpc.aio.ServicerContext,
     ) -> None:
@@ -292,16 +272,15 @@ class EngineServicer(ClientOutputs, engine_pb2_grpc.EngineCoreServicer):
             logger.exception("engine input stream of client %d failed", client.client_id)
         finally:
             # The client half-closed or dropped: end our half too.
-            self._send_now(client, None)
+            self.outputs.send_now(client, None)
 
-    def _apply_input(self, client: _Client, item: engine_pb2.EngineCoreInput) -> None:
+    def _apply_input(self, client: Client, item: engine_pb2.EngineCoreInput) -> None:
         """One input of ``client``'s stream (a nested batch is ignored)."""
         kind = item.WhichOneof("kind")
         if kind == "add":
             self._add(client, item.add)
         elif kind == "abort":
-            ids = [rid for rid in item.abort.request_ids if self.owner.get(rid) == client.client_id]
-            self.engine_loop.abort_requests(ids)
+            self.engine_loop.abort_requests(self.outputs.owned_by(client, item.abort.request_ids))
         elif kind == "utility":
             call_id, method, args = convert.utility_call_from_proto(item.utility)
             internal = next(self._call_ids)
@@ -309,14 +288,14 @@ class EngineServicer(ClientOutputs, engine_pb2_grpc.EngineCoreServicer):
             self._start_utility_span(internal, method)
             self.engine_loop.call_utility(UtilityCall(internal, method, tuple(args)))
         elif kind == "ack":
-            self._acknowledged(client, item.ack.count)
+            self.outputs.acknowledged(client, item.ack.count)
         elif kind == "hello":
             client.window = min(item.hello.output_window, MAX_OUTPUT_WINDOW)
             if item.hello.tokenizer_fingerprint not in ("", self.fingerprint):
                 # Frontends check GetEngineInfo first and refuse; this is for other clients.
                 logger.warning("client %d has a different tokenizer", client.client_id)
 
-    def _add(self, client: _Client, msg: engine_pb2.EngineCoreRequest) -> None:
+    def _add(self, client: Client, msg: engine_pb2.EngineCoreRequest) -> None:
         try:
             request = convert.engine_core_request_from_proto(msg)
         except convert.ConversionError as exc:
@@ -324,7 +303,7 @@ class EngineServicer(ClientOutputs, engine_pb2_grpc.EngineCoreServicer):
             return
         self.add_request(client, request)
 
-    def add_request(self, client: _Client, request: EngineCoreRequest) -> None:
+    def add_request(self, client: Client, request: EngineCoreRequest) -> None:
         """Admit one domain request for ``client``; a refusal arrives on its outbox as
         an ERROR output (UNAVAILABLE while draining, INVALID_ARGUMENT on bad input)."""
         if self.draining:
@@ -332,19 +311,13 @@ class EngineServicer(ClientOutputs, engine_pb2_grpc.EngineCoreServicer):
             return
         try:
             self.core.validate_request(request)
-            rid = request.request_id
-            next_turn = request.resumable and rid in self.idle_sessions and self.owner.get(rid) == client.client_id
-            if rid in self.owner and not next_turn:
-                raise InvalidRequestError("request_id", rid, "already running")
+            if self.outputs.is_taken(client, request.request_id, request.resumable):
+                raise InvalidRequestError("request_id", request.request_id, "already running")
         except InvalidRequestError as exc:
             self._send_error(client, request.request_id, RequestError(ErrorCode.INVALID_ARGUMENT, str(exc)))
             return
         request.received_time = time.monotonic()  # queue time counts from here
-        if request.resumable:
-            self.resumable.add(request.request_id)
-            self.idle_sessions.discard(request.request_id)
-        self.owner[request.request_id] = client.client_id
-        client.request_ids.add(request.request_id)
+        self.outputs.adopt(client, request.request_id, request.resumable)
         self.engine_loop.add_request(request)
 
     async def GetEngineInfo(
@@ -361,9 +334,9 @@ class EngineServicer(ClientOutputs, engine_pb2_grpc.EngineCoreServicer):
             vocab_size=core.model_config.vocab_size,
             block_size=cfg.block_size,
             num_kv_blocks=core.num_blocks,
-            num_free_blocks=core.kv_manager.pool.num_free_blocks,
-            num_running_reqs=len(core.scheduler.running),
-            num_waiting_reqs=len(core.scheduler.waiting),
+            num_free_blocks=core.kv_manager.num_free_blocks,
+            num_running_reqs=core.scheduler.num_running,
+            num_waiting_reqs=core.scheduler.num_waiting,
             tokenizer_fingerprint=self.fingerprint,
             max_logprobs=cfg.max_logprobs,
             max_num_seqs=cfg.max_num_seqs,
@@ -383,9 +356,11 @@ class EngineServicer(ClientOutputs, engine_pb2_grpc.EngineCoreServicer):
         result = await self.call_utility("reset_prefix_cache")
         return engine_pb2.ResetPrefixCacheResponse(success=result.failure_message is None)
 
-    async def call_utility(self, method: str, *args: object):  # type: ignore[no-untyped-def]
+    # ---- utility calls --------------------------------------------------------------
+
+    async def call_utility(self, method: str, *args: object) -> UtilityOutput:
         call_id = next(self._call_ids)
-        future: asyncio.Future[object] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[UtilityOutput] = asyncio.get_running_loop().create_future()
         self.pending_utility[call_id] = future
         self._start_utility_span(call_id, method)
         self.engine_loop.call_utility(UtilityCall(call_id, method, args))
@@ -398,3 +373,26 @@ class EngineServicer(ClientOutputs, engine_pb2_grpc.EngineCoreServicer):
                 kind=SpanKind.SERVER,
                 attributes={"tandem.utility.method": method, "tandem.engine_index": self.core.engine_index},
             )
+
+    def _utility_done(self, outs: EngineCoreOutputs, result: UtilityOutput) -> None:
+        """``result`` to its local waiter, or to the client that called (under its own
+        call id) if still connected."""
+        span = self._utility_spans.pop(result.call_id, None)
+        if span is not None:
+            if result.failure_message is not None:
+                span.set_status(Status(StatusCode.ERROR, result.failure_message))
+            span.end()
+        target = self.pending_utility.pop(result.call_id, None)
+        if isinstance(target, asyncio.Future):
+            if not target.done():
+                target.set_result(result)
+            return
+        client = self.outputs.get(target[0]) if target is not None else None
+        if client is not None:
+            utility = convert.utility_output_to_proto(result)
+            utility.call_id = target[1]
+            msg = engine_pb2.EngineCoreOutputs(
+                engine_index=outs.engine_index, utility_output=utility, timestamp=outs.timestamp,
+                draining=self.draining,
+            )
+            self.outputs.send_now(client, msg)

@@ -4,8 +4,9 @@ they stop waiting.
 Every parallel region (a linear layer, an attention call) ends when its slowest thread
 does. When another process takes one of the engine's cores (a busy neighbour, the
 frontend next to it, a noisy VM), the thread the scheduler put there runs half the time
-and every region waits for it: a 2-thread engine beside one busy process served 0.07x of
-its quiet throughput. One thread fewer keeps the team on the cores it actually gets.
+and every region waits for it: a 2-thread engine beside one busy process served a small
+fraction of its quiet throughput (benchmarks/contention.py). One thread fewer keeps the
+team on the cores it actually gets.
 
 The signal is the kernel's own: the time this process's threads spent runnable but not
 running (``/proc/self/task/*/schedstat``, second field). Each ``window_s`` of steps, that

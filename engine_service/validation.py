@@ -1,25 +1,31 @@
-"""Request validation of an EngineCore: every field checked before a request is queued."""
+"""Request validation of an EngineCore: every field checked before a request is queued.
+
+``RequestValidator`` holds what the checks depend on (the model's vocabulary and hidden
+size, max_model_len, max_logprobs, whether LoRA is on), all fixed at start-up, so it
+is safe to call from any thread. It checks a new request (``validate``) and a
+streaming-input session's next turn (``validate_session_turn``).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
+from tandem.protocol.model_config import ModelConfig
 from tandem.protocol.outputs import EngineCoreRequest
 from tandem.protocol.sampling_params import InvalidRequestError
 
 
-class RequestValidation:
-    """Mixed into EngineCore (its model_config, config, max_model_len, lora, sessions)."""
+class RequestValidator:
+    """Raises InvalidRequestError naming the bad field."""
 
-    model_config: Any
-    config: Any
-    max_model_len: int
-    lora: Any
-    _check_session: Callable[[EngineCoreRequest], None]  # Sessions'
+    def __init__(self, model_config: ModelConfig, max_model_len: int, max_logprobs: int, lora_enabled: bool) -> None:
+        self.model_config = model_config
+        self.max_model_len = max_model_len
+        self.max_logprobs = max_logprobs
+        self.lora_enabled = lora_enabled
 
-    def validate_request(self, req: EngineCoreRequest) -> None:
-        """Raise InvalidRequestError naming the bad field; safe to call from any thread."""
+    def validate(self, req: EngineCoreRequest) -> None:
+        """A new request (not a session's next turn)."""
         if not req.request_id:
             raise InvalidRequestError("request_id", req.request_id, "must not be empty")
         prompt = req.prompt_token_ids
@@ -33,7 +39,6 @@ class RequestValidation:
                 f"max_model_len={self.max_model_len}",
             )
         self._check_token_ids("prompt_token_ids", prompt)
-        vocab = self.model_config.vocab_size
         if req.generated_token_ids:
             self._check_continuation(req)
         if req.resumable:
@@ -43,14 +48,40 @@ class RequestValidation:
         if req.pooling_params is not None:
             req.pooling_params.validate(self.model_config.hidden_size)
         else:
-            req.sampling_params.validate(vocab, self.config.max_logprobs)
+            req.sampling_params.validate(self.model_config.vocab_size, self.max_logprobs)
         if req.lora_request is not None:
-            if self.lora is None:
+            if not self.lora_enabled:
                 raise InvalidRequestError(
                     "lora_request", req.lora_request.lora_name,
                     "LoRA is not enabled on this engine (start it with --enable-lora)",
                 )
             req.lora_request.validate()
+
+    def validate_session_turn(self, req: EngineCoreRequest, session_num_tokens: int) -> None:
+        """The next turn of an idle streaming-input session that holds
+        ``session_num_tokens`` tokens: its new tokens must fit after them."""
+        total = session_num_tokens + len(req.prompt_token_ids)
+        if not req.prompt_token_ids:
+            raise InvalidRequestError("prompt_token_ids", [], "a session turn needs new tokens")
+        if total >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt_token_ids", f"<{len(req.prompt_token_ids)} tokens>",
+                f"the session's {total} tokens leave no room to generate within max_model_len={self.max_model_len}",
+            )
+        self._check_token_ids("prompt_token_ids", req.prompt_token_ids)
+        self._check_session(req)
+        req.sampling_params.validate(self.model_config.vocab_size, self.max_logprobs)
+
+    def _check_session(self, req: EngineCoreRequest) -> None:
+        """What a streaming-input session's turns cannot ask for."""
+        params = req.sampling_params
+        for field, bad in (
+            ("pooling_params", req.pooling_params is not None),
+            ("sampling_params.prompt_logprobs", params.prompt_logprobs is not None),
+            ("sampling_params.structured_outputs", params.structured_outputs is not None),
+        ):
+            if bad:
+                raise InvalidRequestError(field, "set", "not supported in a streaming-input session")
 
     def _check_continuation(self, req: EngineCoreRequest) -> None:
         """A migrated request's output so far must fit and leave something to generate."""

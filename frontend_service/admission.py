@@ -1,5 +1,8 @@
 """Frontend admission control, and the failures a request can end with.
 
+``RequestGate`` is where every request of AsyncLLM enters: a place under the bound on
+requests in progress, then (while generation is paused) a wait until it resumes.
+
 ``PendingLimit`` bounds the requests a frontend has admitted and not yet finished
 (``--max-pending-requests``): beyond it, ``Generate`` answers RESOURCE_EXHAUSTED at
 once, before tokenizing and without contacting an engine. The bound protects the
@@ -12,6 +15,7 @@ engine or from the frontend itself; ``errors.py`` turns it into the client's sta
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 
@@ -69,3 +73,38 @@ class PendingLimit:
     def release(self) -> None:
         self.pending -= 1
         self.drain_rate.observe(self._clock(), 1, self.pending)
+
+
+class RequestGate:
+    """The entry of every request: ``limit`` (a PendingLimit; None: unbounded), and the
+    pause (closed: new requests wait in ``wait_open``, those in flight go on)."""
+
+    def __init__(self, limit: PendingLimit | None) -> None:
+        self.limit = limit
+        self._open = asyncio.Event()
+        self._open.set()
+
+    def admit(self) -> bool:
+        """Take a place under the limit (RequestFailedError with RESOURCE_EXHAUSTED when
+        full); whether one was taken, for ``leave``."""
+        if self.limit is None:
+            return False
+        self.limit.acquire()
+        return True
+
+    def leave(self, admitted: bool) -> None:
+        if admitted and self.limit is not None:
+            self.limit.release()
+
+    async def wait_open(self) -> None:
+        await self._open.wait()
+
+    @property
+    def is_open(self) -> bool:
+        return self._open.is_set()
+
+    def close(self) -> None:
+        self._open.clear()
+
+    def open(self) -> None:
+        self._open.set()

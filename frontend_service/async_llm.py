@@ -7,67 +7,66 @@ stop strings, n>1) happens in the shared ``OutputProcessor``. A caller that read
 slower than the engine steps gets the outputs queued meanwhile as one (deltas merged),
 so a lagging stream costs one message per read, not one per engine step.
 
-Observability: with a ``Tracing``, each request gets a SERVER span that continues the
-caller's W3C trace context and is injected into the engine requests' ``trace_headers``;
-with ``FrontendMetrics``, token arrival times feed TTFT / inter-token / e2e histograms.
-Without either, a request costs two ``is None`` checks.
+Shape: AsyncLLM owns generation and the engine callbacks (``on_engine_outputs``,
+``on_engine_dead``: outputs routed to streams, failed requests moved or failed). Every
+other concern is a component built in ``__init__`` and given exactly its collaborators:
+
+* ``streams`` (StreamTable, streams.py): the live streams, shared by all components;
+* ``gate`` (RequestGate, admission.py): admission and the pause, at every request's entry;
+* ``control`` (RequestControl, control.py): abort by id, pause / resume, drain;
+* ``utilities`` (EngineUtilities, utilities.py): sleep, profiling, collective_rpc, ...;
+* ``migration`` (StreamMigration, migration.py): streams of a lost engine move on;
+* ``disaggregation`` (DisaggregatedPrefill, disaggregation.py): prefill, then decode elsewhere;
+* ``pooling`` (PoolingRequests, pooling.py): ``encode``;
+* ``sessions`` (StreamingInputSessions, sessions.py): streaming-input sessions;
+* ``observation`` (RequestObservation, observability.py; None without metrics and
+  tracing): the request's span and its latency metrics;
+* ``loras`` (LoraRegistry, lora.py): LoRA adapters by name.
+
+The public methods with vLLM's names (``encode``, ``abort``, ``pause``, ``sleep``,
+``add_lora``, ...) delegate to those components.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
-from itertools import repeat
-from typing import Any
+from typing import Any, Self
 
-from opentelemetry.trace import SpanKind, Status, StatusCode
-
-from frontend_service.admission import PendingLimit, RequestFailedError, deadline_exceeded
-from frontend_service.control import RequestControl
-from frontend_service.disaggregation import Disaggregation
-from frontend_service.engine_client import (
-    EngineConnection,
-    EngineUnavailableError,
-)
+from frontend_service.admission import PendingLimit, RequestFailedError, RequestGate
+from frontend_service.control import PauseMode, RequestControl
+from frontend_service.disaggregation import DisaggregatedPrefill
+from frontend_service.engine_client import EngineConnection, EngineUnavailableError
 from frontend_service.engine_group import EngineGroup
 from frontend_service.input_processor import InputProcessor, ProcessedRequest
 from frontend_service.lora import LoraRegistry
-from frontend_service.metrics import FrontendMetrics, SequenceTimes
-from frontend_service.migration import Migration, MigrationConfig, MigrationReason
+from frontend_service.metrics import FrontendMetrics
+from frontend_service.migration import MigrationConfig, MigrationReason, StreamMigration
 from frontend_service.observability import RequestObservation
 from frontend_service.output_processor import OutputProcessor
-from frontend_service.outputs import RequestOutput, merge_request_outputs
-from frontend_service.pooling import Pooling
-from frontend_service.sessions import Sessions, as_session_chunks
-from frontend_service.streams import Stream, request_ids
+from frontend_service.outputs import PoolingRequestOutput, RequestOutput, merge_request_outputs
+from frontend_service.pooling import PoolingRequests
+from frontend_service.sessions import SessionChunk, StreamingInputSessions, as_session_chunks
+from frontend_service.streams import Stream, StreamTable, request_ids, send
 from frontend_service.utilities import EngineUtilities
 from tandem.protocol.lora import LoRARequest
 from tandem.protocol.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
-    EngineCoreRequest,
     ErrorCode,
     FinishReason,
     RequestError,
-    TokenColumns,
 )
+from tandem.protocol.pooling_params import PoolingParams
 from tandem.protocol.sampling_params import RequestOutputKind, SamplingDefaults, SamplingParams
 from tandem.telemetry import Tracing
-
-logger = logging.getLogger(__name__)
-
-GENERATE_SPAN_NAME = "tandem.v1.Generation/Generate"
-
 
 # Refusals of a request an engine has not started: another engine may take it.
 _MOVABLE = (ErrorCode.RESOURCE_EXHAUSTED, ErrorCode.UNAVAILABLE)
 
 
-class AsyncLLM(
-    EngineUtilities, Pooling, Sessions, Migration, Disaggregation, RequestControl, RequestObservation
-):
+class AsyncLLM:
     def __init__(
         self,
         tokenizer: Any,
@@ -96,48 +95,48 @@ class AsyncLLM(
         self.input_processor = input_processor
         self.output_processor = OutputProcessor(tokenizer, stream_interval)
         self.client_index = client_index
-        self.streams: dict[str, Stream] = {}  # internal request id -> stream
-        self._resumed = asyncio.Event()
-        self._resumed.set()
-        self.model_name = model_name
-        self.metrics = metrics
-        self.tracing = tracing
-        # Engine request id -> token arrival times; kept only while metrics or tracing is on.
-        self._observing = metrics is not None or tracing is not None
-        self._seq_times: dict[str, SequenceTimes] = {}
         self.admission = admission
-        self.migration = migration or MigrationConfig()
-        self._migration_waits: set[asyncio.Task[None]] = set()
-        self._owner: dict[str, str] = {}  # engine request id -> internal request id
-        # Engine request ids of streams placed again on another engine: outputs for them
-        # from any other engine are stale (aborted there) and dropped.
-        self._moved: set[str] = set()
-        self._num_pooling = 0  # pooling requests in flight (frontend_service/pooling.py)
-        self.loras = LoraRegistry(engines)  # LoRA adapters across the engines, by name
         self.closed = False  # shutdown() was called
-        self.disaggregated = disaggregated
-        self._prefilling: dict[str, EngineConnection] = {}
+
+        self.streams = StreamTable(self.output_processor)
+        self.gate = RequestGate(admission)
+        self.control = RequestControl(self.streams, self.output_processor, self.gate)
+        self.utilities = EngineUtilities(engines, self.control)
+        self.migration = StreamMigration(
+            migration or MigrationConfig(), engines, self.streams, self.output_processor, metrics
+        )
+        self.disaggregation = DisaggregatedPrefill(disaggregated, engines, self.streams, self.output_processor)
+        self.pooling = PoolingRequests(input_processor, engines, self.streams, self.gate, client_index)
+        self.sessions = StreamingInputSessions(
+            input_processor, self.output_processor, engines, self.streams, self.gate, client_index
+        )
+        observed = metrics is not None or tracing is not None
+        self.observation = RequestObservation(metrics, tracing, model_name) if observed else None
+        self.loras = LoraRegistry(engines)  # LoRA adapters across the engines, by name
 
     # ---- engine callbacks (run on the event loop) ----------------------------------
 
     def on_engine_outputs(self, engine: EngineConnection, outs: EngineCoreOutputs) -> None:
         outputs = outs.outputs
         columns = outs.token_columns
-        handoffs = self._take_prefills(engine, outputs) if self._prefilling and outputs else None
-        if outputs and (self._moved or any(o.finish_reason == FinishReason.ERROR for o in outputs)):
+        streams = self.streams
+        disaggregation = self.disaggregation
+        handoffs = disaggregation.take_finished(engine, outputs) if disaggregation.in_progress and outputs else None
+        if outputs and (streams.moved or any(o.finish_reason == FinishReason.ERROR for o in outputs)):
             outputs = self._route_failures(engine, outputs)
-        if columns is not None and self._moved:
-            columns = self._drop_stale_columns(engine, columns)
+        if columns is not None and streams.moved:
+            columns = streams.drop_stale_columns(engine, columns)
         if not outputs and columns is None:
             return
-        if self._num_pooling and outputs:
-            outputs = self.take_pooled(outputs)
-        if self._observing:
-            self._observe_tokens(outputs, columns)
+        if self.pooling.in_flight and outputs:
+            outputs = self.pooling.take_pooled(outputs)
+        if self.observation is not None:
+            self.observation.on_tokens(outputs, columns)
         processed = self.output_processor.process_outputs(outputs, columns)
         outputs_round = getattr(engine, "outputs_round", None)
+        by_id = streams.by_id
         for internal_id, request_output in processed.request_outputs:
-            stream = self.streams.get(internal_id)
+            stream = by_id.get(internal_id)
             if stream is not None:
                 stream.got_output = True
                 stream.finished = request_output.finished
@@ -150,15 +149,15 @@ class AsyncLLM(
         if processed.reqs_to_abort:
             engine.abort(processed.reqs_to_abort)  # stop strings matched
         for request_id, params in handoffs or ():
-            self._hand_off(engine, request_id, params)  # prefill done: decode elsewhere
+            disaggregation.hand_off(engine, request_id, params)  # prefill done: decode elsewhere
 
     def on_engine_dead(self, engine: EngineConnection, reason: str) -> None:
         """Move every request of the dead engine to another one (migration.py), or fail
         it with UNAVAILABLE where it cannot move; others keep going."""
-        lost = [(rid, s) for rid, s in self.streams.items() if s.engine is engine and not s.finished]
+        lost = [(rid, s) for rid, s in self.streams.unfinished() if s.engine is engine]
         for internal_id, stream in lost:
-            if not self._migrate(internal_id, stream, MigrationReason.ENGINE_DEAD, reason):
-                self._fail(internal_id, stream, EngineUnavailableError(reason))
+            if not self.migration.migrate(internal_id, stream, MigrationReason.ENGINE_DEAD, reason):
+                self.streams.fail(internal_id, stream, EngineUnavailableError(reason))
 
     # ---- failed requests: another engine, or the caller gets the status --------------
 
@@ -170,34 +169,9 @@ class AsyncLLM(
         for out in outputs:
             if out.finish_reason == FinishReason.ERROR:
                 self._on_request_failed(engine, out)
-            elif out.request_id not in self._moved or self._runs_on(out.request_id, engine):
+            elif not self.streams.is_stale(out.request_id, engine):
                 kept.append(out)
         return kept
-
-    def _drop_stale_columns(self, engine: EngineConnection, columns: TokenColumns) -> TokenColumns | None:
-        """The column outputs minus stale ones of requests moved to another engine."""
-        moved = self._moved
-        keep = [rid not in moved or self._runs_on(rid, engine) for rid in columns.request_ids]
-        if all(keep):
-            return columns
-        return columns.select(keep) if any(keep) else None
-
-    def _observe_tokens(self, outputs: list[EngineCoreOutput], columns: TokenColumns | None) -> None:
-        """Token arrival times for metrics and tracing."""
-        now = time.monotonic()
-        seq_times = self._seq_times
-        counts: list[tuple[str, int]] = [(o.request_id, len(o.new_token_ids)) for o in outputs]
-        if columns is not None:
-            per_request = columns.num_new_tokens or repeat(1)
-            counts.extend(zip(columns.request_ids, per_request))
-        for request_id, count in counts:
-            times = seq_times.get(request_id)
-            if count and times is not None:
-                times.on_tokens(now, count, self.metrics)
-
-    def _runs_on(self, engine_request_id: str, engine: EngineConnection) -> bool:
-        stream = self.streams.get(self._owner.get(engine_request_id, ""))
-        return stream is not None and stream.engine is engine
 
     def _on_request_failed(self, engine: EngineConnection, out: EngineCoreOutput) -> None:
         """An engine ended one of a stream's requests with an error.
@@ -209,9 +183,11 @@ class AsyncLLM(
         timeout ended it): the stream migrates. Anything else, or no engine left: the
         caller gets the engine's status.
         """
-        internal_id = self._owner.get(out.request_id, "")
-        stream = self.streams.get(internal_id)
-        if stream is None or stream.finished or stream.engine is not engine:
+        found = self.streams.find(out.request_id)
+        if found is None:
+            return
+        internal_id, stream = found
+        if stream.finished or stream.engine is not engine:
             return
         error = out.error or RequestError(
             ErrorCode.INTERNAL, f"the engine failed this request: {out.stop_reason or 'no reason given'}"
@@ -221,16 +197,16 @@ class AsyncLLM(
             if target is not None:
                 engine.abort([rid for rid in stream.engine_request_ids if rid != out.request_id])
                 stream.engine = target
-                self._moved.update(stream.engine_request_ids)
+                self.streams.mark_moved(stream)
                 try:
-                    self._send(stream, target)
+                    send(stream, target)
                 except (RequestFailedError, EngineUnavailableError) as exc:
-                    self._fail(internal_id, stream, exc)
+                    self.streams.fail(internal_id, stream, exc)
                 return
         drained = error.code == ErrorCode.UNAVAILABLE and stream.got_output
-        if drained and self._migrate(internal_id, stream, MigrationReason.ENGINE_DRAINED, error.message):
+        if drained and self.migration.migrate(internal_id, stream, MigrationReason.ENGINE_DRAINED, error.message):
             return
-        self._fail(internal_id, stream, RequestFailedError(error))
+        self.streams.fail(internal_id, stream, RequestFailedError(error))
 
     def _next_engine(self, stream: Stream) -> EngineConnection | None:
         try:
@@ -238,53 +214,7 @@ class AsyncLLM(
         except EngineUnavailableError:
             return None
 
-    def _send(
-        self, stream: Stream, engine: EngineConnection, requests: Sequence[EngineCoreRequest] | None = None
-    ) -> None:
-        """Place the stream's engine requests (or ``requests``: continuations of some of
-        them) on ``engine``, with the time left."""
-        left = None
-        if stream.deadline is not None:
-            left = stream.deadline - time.monotonic()
-            if left <= 0:
-                raise deadline_exceeded("the deadline passed before the request reached an engine")
-        stream.tried.append(engine)
-        for req in stream.requests if requests is None else requests:
-            req.timeout_s = left
-            engine.add_request(req)
-
-    def _admit(self) -> bool:
-        """Take a place under the bound on requests in progress (RequestFailedError with
-        RESOURCE_EXHAUSTED when full); whether one was taken, for ``_leave``."""
-        if self.admission is None:
-            return False
-        self.admission.acquire()
-        return True
-
-    def _leave(self, admitted: bool) -> None:
-        if admitted and self.admission is not None:
-            self.admission.release()
-
-    def _track(self, internal_id: str, stream: Stream) -> None:
-        """Route the engine outputs of ``stream``'s engine requests to it."""
-        self.streams[internal_id] = stream
-        for rid in stream.engine_request_ids:
-            self._owner[rid] = internal_id
-
-    def _untrack(self, internal_id: str, stream: Stream) -> None:
-        self.streams.pop(internal_id, None)
-        for rid in stream.engine_request_ids:
-            self._owner.pop(rid, None)
-            self._moved.discard(rid)
-            self._prefilling.pop(rid, None)
-
-    def _fail(self, internal_id: str, stream: Stream, exc: BaseException) -> None:
-        result = self.output_processor.abort_requests([internal_id])
-        stream.engine.abort(result.reqs_to_abort or stream.engine_request_ids)
-        stream.finished = True
-        stream.queue.put_nowait(exc)
-
-    # ---- the API ------------------------------------------------------------------
+    # ---- generation ----------------------------------------------------------------
 
     async def generate(
         self,
@@ -320,34 +250,25 @@ class AsyncLLM(
         if prompt is not None and not isinstance(prompt, str) and hasattr(prompt, "__aiter__"):
             # Streaming input (the reference's): chunks of a session, one turn each.
             chunks = as_session_chunks(prompt, sampling_params)
-            async for out in self.generate_session(
+            async for out in self.sessions.generate(
                 chunks, request_id=request_id, priority=priority, trace_headers=trace_headers, timeout_s=timeout_s
             ):
                 yield out
             return
         arrival = time.monotonic()
+        observation = self.observation
         span = None
         failure: BaseException | None = None
-        if self.tracing is not None:
-            span = self.tracing.tracer.start_span(
-                GENERATE_SPAN_NAME,
-                context=self.tracing.extract(trace_headers),
-                kind=SpanKind.SERVER,
-                attributes={
-                    "rpc.system": "grpc",
-                    "rpc.service": "tandem.v1.Generation",
-                    "rpc.method": "Generate",
-                    "gen_ai.operation.name": "chat" if messages is not None else "text_completion",
-                },
-            )
-            trace_headers = self.tracing.inject(span)
+        if observation is not None:
+            span, trace_headers = observation.start_span(trace_headers, chat=messages is not None)
         processed: ProcessedRequest | None = None
         admitted = False
+        gate = self.gate
         if lora_request is not None:
             lora_request = self.loras.resolve(lora_request)
         try:
-            admitted = self._admit()
-            await self._resumed.wait()
+            admitted = gate.admit()
+            await gate.wait_open()
             user_id, internal_id = request_ids(request_id)
             processed = self.input_processor.process(
                 internal_id,
@@ -363,10 +284,9 @@ class AsyncLLM(
                 add_generation_prompt=add_generation_prompt,
                 lora_request=lora_request,
             )
-            if self._observing:
-                for req in processed.engine_requests:
-                    self._seq_times[req.request_id] = SequenceTimes(arrival, len(req.prompt_token_ids))
-            prefill = self._prefill_engine(processed)
+            if observation is not None:
+                observation.add_sequences(processed, arrival)
+            prefill = self.disaggregation.engine_for(processed)
             engine = prefill or self.engines.pick(processed.engine_requests[0])
             stream = Stream(
                 asyncio.Queue(), engine, [r.request_id for r in processed.engine_requests],
@@ -375,12 +295,12 @@ class AsyncLLM(
                 span=span,
             )
             self.output_processor.add_processed(processed)
-            self._track(internal_id, stream)
+            self.streams.track(internal_id, stream)
             try:
                 if prefill is not None:
-                    self._send_prefill(stream, prefill)
+                    self.disaggregation.send(stream, prefill)
                 else:
-                    self._send(stream, engine)
+                    send(stream, engine)
                 delta = processed.sampling_params.output_kind == RequestOutputKind.DELTA
                 pending: RequestOutput | BaseException | None = None
                 while True:
@@ -402,7 +322,8 @@ class AsyncLLM(
                         return
             finally:
                 stream.leave_rounds()
-                self._untrack(internal_id, stream)
+                self.streams.untrack(internal_id, stream)
+                self.disaggregation.forget(stream)
                 if not stream.finished:
                     # Cancelled, disconnected, failed or closed early: free the engine's blocks.
                     result = self.output_processor.abort_requests([internal_id])
@@ -411,16 +332,100 @@ class AsyncLLM(
             raise  # the caller went away: finish reason "abort", not an error
         except BaseException as exc:
             failure = exc
-            if span is not None:
-                span.record_exception(exc)
-                span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"))
             raise
         finally:
-            self._leave(admitted)
-            if self._observing:
-                self._finish_observing(processed, arrival, span, failure)
+            gate.leave(admitted)
+            if observation is not None:
+                observation.finish(processed, arrival, span, failure)
 
-    # ---- LoRA adapters (vLLM's names; every serving engine) -----------------------------
+    # ---- vLLM's API beyond generate, delegated to the components --------------------
+
+    def encode(
+        self,
+        pooling_params: PoolingParams | None = None,
+        *,
+        prompt: str | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        request_id: str | None = None,
+        priority: int = 0,
+        trace_headers: dict[str, str] | None = None,
+        add_special_tokens: bool | None = None,
+        timeout_s: float | None = None,
+    ) -> AsyncIterator[PoolingRequestOutput]:
+        """Yield the one output of a pooling request; see ``PoolingRequests.encode``."""
+        return self.pooling.encode(
+            pooling_params, prompt=prompt, prompt_token_ids=prompt_token_ids, request_id=request_id,
+            priority=priority, trace_headers=trace_headers, add_special_tokens=add_special_tokens,
+            timeout_s=timeout_s,
+        )
+
+    def generate_session(
+        self,
+        inputs: AsyncIterator[SessionChunk],
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        trace_headers: dict[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield each turn's outputs of a streaming-input session; see
+        ``StreamingInputSessions.generate``."""
+        return self.sessions.generate(
+            inputs, request_id=request_id, priority=priority, trace_headers=trace_headers, timeout_s=timeout_s
+        )
+
+    def abort(self, request_ids: Sequence[str]) -> int:
+        return self.control.abort(request_ids)
+
+    @property
+    def paused(self) -> bool:
+        return self.control.paused
+
+    async def pause(self, mode: PauseMode, poll_interval: float = 0.05) -> None:
+        await self.control.pause(mode, poll_interval)
+
+    def resume(self) -> None:
+        self.control.resume()
+
+    @property
+    def num_unfinished(self) -> int:
+        return self.control.num_unfinished
+
+    async def drain(self, timeout: float, poll_interval: float = 0.05) -> int:
+        return await self.control.drain(timeout, poll_interval)
+
+    def fail_all(self, reason: str) -> int:
+        return self.control.fail_all(reason)
+
+    async def sleep(self, level: int = 1) -> None:
+        await self.utilities.sleep(level)
+
+    async def wake_up(self) -> None:
+        await self.utilities.wake_up()
+
+    async def is_sleeping(self) -> bool:
+        return await self.utilities.is_sleeping()
+
+    async def reset_prefix_cache(self) -> int:
+        return await self.utilities.reset_prefix_cache()
+
+    async def start_profile(self) -> None:
+        await self.utilities.start_profile()
+
+    async def stop_profile(self) -> list[str]:
+        return await self.utilities.stop_profile()
+
+    async def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        return await self.utilities.collective_rpc(method, args)
+
+    async def get_supported_tasks(self) -> tuple[str, ...]:
+        return await self.utilities.get_supported_tasks()
+
+    async def check_health(self) -> None:
+        await self.utilities.check_health()
+
+    async def wait_for_requests_to_drain(self, drain_timeout: float = 300.0) -> None:
+        await self.utilities.wait_for_requests_to_drain(drain_timeout)
 
     async def add_lora(self, lora_request: LoRARequest) -> bool:
         return await self.loras.add_lora(lora_request)
@@ -433,3 +438,20 @@ class AsyncLLM(
 
     async def pin_lora(self, lora_id: int) -> bool:
         return await self.loras.pin_lora(lora_id)
+
+    # ---- lifetime --------------------------------------------------------------------
+
+    async def shutdown(self) -> None:
+        """Fail what is still running (UNAVAILABLE) and close the engine connections;
+        idempotent (vLLM's ``AsyncLLM.shutdown``; also ``async with AsyncLLM(...)``)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.control.fail_all("the AsyncLLM was shut down")
+        await self.engines.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.shutdown()

@@ -1,14 +1,19 @@
-"""Operator control of AsyncLLM's requests: abort by id, pause / resume, the drain."""
+"""Operator control of AsyncLLM's requests: abort by id, pause / resume, the drain.
+
+``RequestControl`` acts on the live streams (``StreamTable``), their text state (the
+``OutputProcessor``) and the entry of new requests (``RequestGate``, closed while paused).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import enum
 from collections.abc import Sequence
-from typing import Any
 
+from frontend_service.admission import RequestGate
 from frontend_service.engine_client import EngineUnavailableError
-from frontend_service.streams import Stream
+from frontend_service.output_processor import OutputProcessor
+from frontend_service.streams import StreamTable, user_id_of
 
 
 class PauseMode(enum.Enum):
@@ -17,24 +22,20 @@ class PauseMode(enum.Enum):
 
 
 class RequestControl:
-    """Mixed into AsyncLLM (its streams, output processor, ``_fail`` and ``_resumed``)."""
-
-    streams: dict[str, Stream]
-    output_processor: Any
-    _resumed: asyncio.Event
-    _fail: Any
-    engines: Any
-    closed: bool
+    def __init__(self, streams: StreamTable, output_processor: OutputProcessor, gate: RequestGate) -> None:
+        self._streams = streams
+        self._output_processor = output_processor
+        self._gate = gate
 
     def abort(self, request_ids: Sequence[str]) -> int:
         """Abort user requests by their ids; returns how many were found."""
         wanted = set(request_ids)
         found = 0
-        for internal_id, stream in list(self.streams.items()):
-            if internal_id.rsplit("-", 1)[0] not in wanted or stream.finished:
+        for internal_id, stream in list(self._streams.by_id.items()):
+            if user_id_of(internal_id) not in wanted or stream.finished:
                 continue
             found += 1
-            result = self.output_processor.abort_requests([internal_id])
+            result = self._output_processor.abort_requests([internal_id])
             stream.engine.abort(result.reqs_to_abort)
             stream.finished = True
             for _, request_output in result.request_outputs:
@@ -45,22 +46,22 @@ class RequestControl:
 
     @property
     def paused(self) -> bool:
-        return not self._resumed.is_set()
+        return not self._gate.is_open
 
     async def pause(self, mode: PauseMode, poll_interval: float = 0.05) -> None:
         """New requests wait; in-flight ones are aborted or allowed to finish."""
-        self._resumed.clear()
+        self._gate.close()
         if mode is PauseMode.ABORT:
-            self.abort([rid.rsplit("-", 1)[0] for rid in self.streams])
-        while any(not s.finished for s in self.streams.values()):
+            self.abort([user_id_of(internal_id) for internal_id in self._streams.by_id])
+        while self._streams.num_unfinished:
             await asyncio.sleep(poll_interval)
 
     def resume(self) -> None:
-        self._resumed.set()
+        self._gate.open()
 
     @property
     def num_unfinished(self) -> int:
-        return sum(1 for s in self.streams.values() if not s.finished)
+        return self._streams.num_unfinished
 
     # ---- graceful drain ----------------------------------------------------------------
 
@@ -72,28 +73,13 @@ class RequestControl:
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        while self.num_unfinished and loop.time() < deadline:
+        while self._streams.num_unfinished and loop.time() < deadline:
             await asyncio.sleep(poll_interval)
         return self.fail_all(f"the frontend's drain timeout ({timeout:g}s) passed: aborted")
 
-    async def shutdown(self) -> None:
-        """Fail what is still running (UNAVAILABLE) and close the engine connections;
-        idempotent (vLLM's ``AsyncLLM.shutdown``; also ``async with AsyncLLM(...)``)."""
-        if self.closed:
-            return
-        self.closed = True
-        self.fail_all("the AsyncLLM was shut down")
-        await self.engines.close()
-
-    async def __aenter__(self) -> Any:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.shutdown()
-
     def fail_all(self, reason: str) -> int:
         """Fail every unfinished request with UNAVAILABLE ``reason``; returns how many."""
-        left = [(rid, s) for rid, s in self.streams.items() if not s.finished]
+        left = self._streams.unfinished()
         for internal_id, stream in left:
-            self._fail(internal_id, stream, EngineUnavailableError(reason))
+            self._streams.fail(internal_id, stream, EngineUnavailableError(reason))
         return len(left)

@@ -195,8 +195,8 @@ def make_detokenizer(
 ) -> IncrementalDetokenizer:
     """The fastest incremental detokenizer this tokenizer supports, primed with the prompt."""
     backend = backend_tokenizer(tokenizer)
-    # The Rust tokenizer decodes the context directly (transformers' decode wraps it in
-    # ~50 us of Python per call).
+    # The Rust tokenizer decodes the context directly: transformers' decode adds a layer
+    # of Python to each decode of a candidate prompt suffix (several per request).
     context = clean_prompt_context(tokenizer if backend is None else backend, prompt_token_ids)
     if backend is not None and _decode_stream_class() is not None:
         return DecodeStreamDetokenizer(backend, context, skip_special_tokens)

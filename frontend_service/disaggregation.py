@@ -17,18 +17,20 @@ import argparse
 import dataclasses
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from frontend_service.admission import RequestFailedError
 from frontend_service.errors import EngineUnavailableError
 from frontend_service.migration import continuation
-from frontend_service.streams import Stream
+from frontend_service.streams import Stream, StreamTable, send
 from tandem.protocol.kv_transfer import KvTransferParams
 from tandem.protocol.outputs import EngineCoreOutput, EngineCoreRequest, FinishReason
 
 if TYPE_CHECKING:
     from frontend_service.engine_client import EngineConnection
+    from frontend_service.engine_group import EngineGroup
     from frontend_service.input_processor import ProcessedRequest
+    from frontend_service.output_processor import OutputProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -57,16 +59,32 @@ def prefill_request(request: EngineCoreRequest) -> EngineCoreRequest:
     )
 
 
-class Disaggregation:
-    """Mixed into AsyncLLM (which provides engines, streams, the output processor, sends)."""
+class DisaggregatedPrefill:
+    """Runs a request's prefill on a producer and hands it to a consumer to decode.
 
-    disaggregated: bool
-    # Engine request id -> the producer engine running its prefill now.
-    _prefilling: dict[str, EngineConnection]
+    Given whether it is on, the engine group (producers and consumers), the live streams
+    (a prefilled stream is found by engine request id and moved) and the output
+    processor (the first token, which the decode continues after).
+    """
 
-    def _prefill_engine(self, processed: ProcessedRequest) -> EngineConnection | None:
+    def __init__(
+        self, enabled: bool, engines: EngineGroup, streams: StreamTable, output_processor: OutputProcessor
+    ) -> None:
+        self.enabled = enabled
+        self._engines = engines
+        self._streams = streams
+        self._output_processor = output_processor
+        # Engine request id -> the producer engine running its prefill now.
+        self._prefilling: dict[str, EngineConnection] = {}
+
+    @property
+    def in_progress(self) -> bool:
+        """Whether some prefill runs now (an engine step may finish one)."""
+        return bool(self._prefilling)
+
+    def engine_for(self, processed: ProcessedRequest) -> EngineConnection | None:
         """The producer for this request's prefill; None: serve it aggregated."""
-        if not self.disaggregated or len(processed.engine_requests) != 1:
+        if not self.enabled or len(processed.engine_requests) != 1:
             return None
         request = processed.engine_requests[0]
         max_tokens = request.sampling_params.max_tokens
@@ -76,20 +94,24 @@ class Disaggregation:
             or (max_tokens is not None and max_tokens <= 1)
         ):
             return None
-        llm: Any = self
         try:
-            llm.engines.pick(request, kv_roles=CONSUMERS)  # someone must take it over
-            return llm.engines.pick(request, kv_roles=PRODUCERS)
+            self._engines.pick(request, kv_roles=CONSUMERS)  # someone must take it over
+            return self._engines.pick(request, kv_roles=PRODUCERS)
         except EngineUnavailableError:
             return None
 
-    def _send_prefill(self, stream: Stream, engine: EngineConnection) -> None:
-        llm: Any = self
+    def send(self, stream: Stream, engine: EngineConnection) -> None:
+        """Place the prefill of ``stream``'s one request on the producer ``engine``."""
         request = stream.requests[0]
         self._prefilling[request.request_id] = engine
-        llm._send(stream, engine, [prefill_request(request)])
+        send(stream, engine, [prefill_request(request)])
 
-    def _take_prefills(
+    def forget(self, stream: Stream) -> None:
+        """``stream`` is no longer tracked: drop its prefills."""
+        for rid in stream.engine_request_ids:
+            self._prefilling.pop(rid, None)
+
+    def take_finished(
         self, engine: EngineConnection, outputs: list[EngineCoreOutput]
     ) -> list[tuple[str, KvTransferParams | None]]:
         """The prefills among ``outputs`` that ended at max_tokens on their producer: their
@@ -105,42 +127,45 @@ class Disaggregation:
                 out.kv_transfer_params = None
         return done
 
-    def _hand_off(
+    def hand_off(
         self, producer: EngineConnection, request_id: str, params: KvTransferParams | None
     ) -> None:
         """Continue a prefilled request on a consumer, with the producer's params."""
-        llm: Any = self
-        internal_id = llm._owner.get(request_id, "")
-        stream = llm.streams.get(internal_id)
-        if stream is None or stream.finished or stream.engine is not producer:
+        found = self._streams.find(request_id)
+        if found is None:
+            return
+        internal_id, stream = found
+        if stream.finished or stream.engine is not producer:
             return
         request = stream.requests[0]
-        generated = llm.output_processor.generated_token_ids(request_id)
+        generated = self._output_processor.generated_token_ids(request_id)
         if generated is None:  # finished meanwhile (a stop string in its first token)
             return
         decode = continuation(request, generated)
         decode.kv_transfer_params = params
         target = self._consumer_for(request, producer)
         if target is None:
-            llm._fail(
+            self._streams.fail(
                 internal_id, stream, EngineUnavailableError("no engine left to decode the request")
             )
             return
         stream.engine = target
         try:
-            llm._send(stream, target, [decode])
+            send(stream, target, [decode])
         except (RequestFailedError, EngineUnavailableError) as exc:
-            llm._fail(internal_id, stream, exc)
+            self._streams.fail(internal_id, stream, exc)
 
     def _consumer_for(
         self, request: EngineCoreRequest, producer: EngineConnection
     ) -> EngineConnection | None:
         """A consumer other than the producer, else any consumer, else any engine (which
         computes the prompt itself)."""
-        llm: Any = self
-        for kw in ({"exclude": [producer], "kv_roles": CONSUMERS}, {"kv_roles": CONSUMERS}, {}):
+        for exclude in ([producer], []):
             try:
-                return llm.engines.pick(request, **kw)  # type: ignore[no-any-return]
+                return self._engines.pick(request, exclude=exclude, kv_roles=CONSUMERS)
             except EngineUnavailableError:
                 continue
-        return None
+        try:
+            return self._engines.pick(request)
+        except EngineUnavailableError:
+            return None

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from numbers import Integral
 from typing import Any
 
-from frontend_service.output_processor import ParentRequest
+from frontend_service.parent_request import ParentRequest
 from frontend_service.prompt_bound import max_token_chars
 from tandem.protocol.lora import LoRARequest
 from tandem.protocol.outputs import EngineCoreRequest

@@ -108,7 +108,7 @@ class LLM:
                 order.append(self._add(processor, prompt, params, lora, added))
         except Exception:
             self.engine.abort_requests(added)  # none of this call's requests run: blocks back
-            self.engine.take_abort_outputs()
+            self.engine.take_ended_outputs()
             raise
         results: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():

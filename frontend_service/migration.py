@@ -34,15 +34,19 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from frontend_service.admission import RequestFailedError
 from frontend_service.engine_client import EngineConnection, EngineUnavailableError
-from frontend_service.streams import Stream
+from frontend_service.streams import Stream, StreamTable, send
 from tandem.protocol.outputs import EngineCoreRequest
 
 if TYPE_CHECKING:
     import argparse
+
+    from frontend_service.engine_group import EngineGroup
+    from frontend_service.metrics import FrontendMetrics
+    from frontend_service.output_processor import OutputProcessor
 
 
 logger = logging.getLogger(__name__)
@@ -83,30 +87,45 @@ def continuation(request: EngineCoreRequest, generated: Sequence[int]) -> Engine
     return dataclasses.replace(request, generated_token_ids=list(generated), sampling_params=params)
 
 
-class Migration:
-    """Mixed into AsyncLLM (which provides the streams, engines, output processor, sends)."""
+class StreamMigration:
+    """Moves the streams of a lost engine to another one (see the module docstring).
 
-    migration: MigrationConfig
-    _moved: set[str]
-    _migration_waits: set[asyncio.Task[None]]  # streams waiting for a serving engine
+    Given the engine group (the new engine), the live streams (to mark a moved stream's
+    old outputs stale, and to fail one that cannot move), the output processor (the
+    tokens each engine request has received) and the metrics (migrations counted).
+    """
 
-    def _migrate(self, internal_id: str, stream: Stream, reason: MigrationReason, why: str) -> bool:
+    def __init__(
+        self,
+        config: MigrationConfig,
+        engines: EngineGroup,
+        streams: StreamTable,
+        output_processor: OutputProcessor,
+        metrics: FrontendMetrics | None,
+    ) -> None:
+        self.config = config
+        self._engines = engines
+        self._streams = streams
+        self._output_processor = output_processor
+        self._metrics = metrics
+        self._waits: set[asyncio.Task[None]] = set()  # streams waiting for a serving engine
+
+    def migrate(self, internal_id: str, stream: Stream, reason: MigrationReason, why: str) -> bool:
         """Continue ``stream`` on another engine, now or (no engine serving) once one
         serves within ``wait_s``; False when it cannot (migration off, the request's limit
         reached, a session, nothing to continue): the caller fails it."""
-        config = self.migration
+        config = self.config
         if not config.enabled or stream.session or stream.migrations >= config.max_migrations:
             return False
-        llm: Any = self
         try:
-            target: EngineConnection = llm.engines.pick(stream.requests[0], exclude=[stream.engine])
+            target = self._engines.pick(stream.requests[0], exclude=[stream.engine])
         except EngineUnavailableError as exc:
             if config.wait_s <= 0:
                 return False
-            self._moved.update(stream.engine_request_ids)  # the lost engine's late outputs: stale
+            self._streams.mark_moved(stream)  # the lost engine's late outputs: stale
             task = asyncio.ensure_future(self._wait_and_move(internal_id, stream, reason, why, str(exc)))
-            self._migration_waits.add(task)
-            task.add_done_callback(self._migration_waits.discard)
+            self._waits.add(task)
+            task.add_done_callback(self._waits.discard)
             return True
         return self._move(internal_id, stream, target, reason, why)
 
@@ -115,39 +134,36 @@ class Migration:
     ) -> None:
         """Poll for a serving engine for ``wait_s`` (and within the deadline); fail the
         stream UNAVAILABLE if none comes, stop if the caller went away."""
-        llm: Any = self
         loop = asyncio.get_running_loop()
-        until = loop.time() + self.migration.wait_s
+        until = loop.time() + self.config.wait_s
         if stream.deadline is not None:
             until = min(until, loop.time() + stream.deadline - time.monotonic())
         logger.info("request %s waits up to %.1f s for a serving engine (%s)", internal_id, until - loop.time(), why)
-        while llm.streams.get(internal_id) is stream and not stream.finished:
+        while self._streams.by_id.get(internal_id) is stream and not stream.finished:
             try:  # any serving engine, the lost one too once it is back (restarted)
-                target = llm.engines.pick(stream.requests[0])
+                target = self._engines.pick(stream.requests[0])
             except EngineUnavailableError as exc:
                 unavailable = str(exc)
                 if loop.time() >= until:
-                    llm._fail(internal_id, stream, EngineUnavailableError(f"{why}; and then {unavailable}"))
+                    self._streams.fail(internal_id, stream, EngineUnavailableError(f"{why}; and then {unavailable}"))
                     return
                 await asyncio.sleep(_WAIT_POLL_S)
                 continue
             if not self._move(internal_id, stream, target, reason, why):
-                llm._fail(internal_id, stream, EngineUnavailableError(why))
+                self._streams.fail(internal_id, stream, EngineUnavailableError(why))
             return
 
     def _move(
         self, internal_id: str, stream: Stream, target: EngineConnection, reason: MigrationReason, why: str
     ) -> bool:
         """Send ``stream``'s unfinished requests to ``target`` as continuations."""
-        llm: Any = self
-        config = self.migration
         lost = stream.engine
         requests = []
         for request in stream.requests:
             if request.pooling_params is not None:  # no tokens: sent again as it was
                 requests.append(request)
                 continue
-            generated = llm.output_processor.generated_token_ids(request.request_id)
+            generated = self._output_processor.generated_token_ids(request.request_id)
             if generated is not None:  # None: this child has finished
                 requests.append(continuation(request, generated))
         if not requests:
@@ -155,21 +171,21 @@ class Migration:
         lost.abort([r.request_id for r in requests])  # a drained engine: nothing left there
         stream.engine = target
         stream.migrations += 1
-        self._moved.update(stream.engine_request_ids)
+        self._streams.mark_moved(stream)
         try:
-            llm._send(stream, target, requests)
+            send(stream, target, requests)
         except (RequestFailedError, EngineUnavailableError) as exc:
-            llm._fail(internal_id, stream, exc)
+            self._streams.fail(internal_id, stream, exc)
             return True
         generated_total = sum(len(r.generated_token_ids) for r in requests)
         logger.info(
             "request %s migrated from engine %s to engine %s after %d generated token(s) "
             "(%s: %s; migration %d of at most %d)",
             internal_id, lost.address, target.address, generated_total, reason.value, why,
-            stream.migrations, config.max_migrations,
+            stream.migrations, self.config.max_migrations,
         )
-        if llm.metrics is not None:
-            llm.metrics.request_migrations.labels(reason=reason.value).inc()
+        if self._metrics is not None:
+            self._metrics.request_migrations.labels(reason=reason.value).inc()
         if stream.span is not None:
             stream.span.add_event("tandem.request.migrated", {
                 "tandem.migration.reason": reason.value,

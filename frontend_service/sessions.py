@@ -1,5 +1,7 @@
-"""Streaming-input sessions on AsyncLLM (vLLM's streaming input): the prompt arrives in
-chunks, and after each chunk the engine generates a continuation that streams back.
+"""Streaming-input sessions (vLLM's streaming input): the prompt arrives in chunks, and
+after each chunk the engine generates a continuation that streams back. The frontend's
+side of them is ``StreamingInputSessions`` (the engine keeps its own per-session state,
+``engine_service.sessions``).
 
 One session is one engine request (``resumable``) that stays on its engine between
 turns with its KV cache: turn k's prompt is everything before it (every earlier chunk
@@ -16,11 +18,17 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from frontend_service.outputs import RequestOutput
-from frontend_service.streams import Stream, request_ids
+from frontend_service.streams import Stream, StreamTable, request_ids
 from tandem.protocol.sampling_params import InvalidRequestError, RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from frontend_service.admission import RequestGate
+    from frontend_service.engine_group import EngineGroup
+    from frontend_service.input_processor import InputProcessor
+    from frontend_service.output_processor import OutputProcessor
 
 
 @dataclass
@@ -63,10 +71,32 @@ def check_session_params(params: SamplingParams) -> None:
             raise InvalidRequestError(field, getattr(params, field), why)
 
 
-class Sessions:
-    """Mixed into AsyncLLM (which provides the streams, engines and processors)."""
+class StreamingInputSessions:
+    """Runs streaming-input sessions, one turn per input chunk (AsyncLLM delegates to it).
 
-    async def generate_session(
+    Given the input and output processors (each turn is validated, tokenized and then
+    detokenized as one request), the engine group (the session's engine, picked once),
+    the live streams, the entry gate (admission for the session, the pause before each
+    turn) and the client index stamped on each turn's request.
+    """
+
+    def __init__(
+        self,
+        input_processor: InputProcessor,
+        output_processor: OutputProcessor,
+        engines: EngineGroup,
+        streams: StreamTable,
+        gate: RequestGate,
+        client_index: int,
+    ) -> None:
+        self._input_processor = input_processor
+        self._output_processor = output_processor
+        self._engines = engines
+        self._streams = streams
+        self._gate = gate
+        self._client_index = client_index
+
+    async def generate(
         self,
         inputs: AsyncIterator[SessionChunk],
         *,
@@ -76,36 +106,34 @@ class Sessions:
         timeout_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield each turn's outputs (the last of a turn has ``finished`` set)."""
-
-        llm: Any = self
         user_id, internal_id = request_ids(request_id)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         params = SamplingParams(output_kind=RequestOutputKind.DELTA)
         stream: Stream | None = None
         admitted = False
         try:
-            admitted = llm._admit()
+            admitted = self._gate.admit()
             turn = 0
             async for chunk in inputs:
-                await llm._resumed.wait()
+                await self._gate.wait_open()
                 params = chunk.sampling_params or params
                 check_session_params(params)
                 add_special = chunk.add_special_tokens if chunk.add_special_tokens is not None else turn == 0
-                processed = llm.input_processor.process(
+                processed = self._input_processor.process(
                     internal_id, params, prompt=chunk.prompt, prompt_token_ids=chunk.prompt_token_ids,
-                    priority=priority, client_index=llm.client_index, trace_headers=trace_headers,
+                    priority=priority, client_index=self._client_index, trace_headers=trace_headers,
                     add_special_tokens=add_special,
                 )
                 request = dataclasses.replace(processed.engine_requests[0], resumable=True)
                 processed.engine_requests[0] = request
                 if stream is None:
-                    stream = Stream(asyncio.Queue(), llm.engines.pick(request), [request.request_id],
-                                     requests=[request], deadline=deadline, session=True)
-                    llm._track(internal_id, stream)
+                    stream = Stream(asyncio.Queue(), self._engines.pick(request), [request.request_id],
+                                    requests=[request], deadline=deadline, session=True)
+                    self._streams.track(internal_id, stream)
                     stream.tried.append(stream.engine)
                 stream.finished = False
                 stream.requests = [request]
-                llm.output_processor.add_processed(processed)
+                self._output_processor.add_processed(processed)
                 if deadline is not None:
                     request.timeout_s = deadline - time.monotonic()
                 stream.engine.add_request(request)  # a session stays on its engine
@@ -122,7 +150,7 @@ class Sessions:
         finally:
             if stream is not None:
                 stream.leave_rounds()
-                llm._untrack(internal_id, stream)
-                llm.output_processor.abort_requests([internal_id])
+                self._streams.untrack(internal_id, stream)
+                self._output_processor.abort_requests([internal_id])
                 stream.engine.abort(stream.engine_request_ids)  # ends the session: blocks freed
-            llm._leave(admitted)
+            self._gate.leave(admitted)

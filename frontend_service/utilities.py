@@ -1,43 +1,54 @@
-"""The engine API beyond generation, on AsyncLLM with vLLM's names: sleep / wake_up /
-is_sleeping, start_profile / stop_profile, reset_prefix_cache, collective_rpc,
+"""The engine API beyond generation, with vLLM's names (AsyncLLM delegates to it): sleep /
+wake_up / is_sleeping, start_profile / stop_profile, reset_prefix_cache, collective_rpc,
 get_supported_tasks, check_health, wait_for_requests_to_drain.
 
-Each call goes to every engine of the group that is connected, as a utility call on its
-stream (``EngineGroup.call_utility``), concurrently; an engine that fails the call
-fails it here (UtilityCallError, or EngineUnavailableError when none is connected).
+``EngineUtilities`` is given the engine group and the pause of the frontend's requests
+(``PausableRequests``: sleep pauses generation first). Each call goes to every engine of
+the group that is connected, as a utility call on its stream (``EngineGroup.call_utility``),
+concurrently; an engine that fails the call fails it here (UtilityCallError, or
+EngineUnavailableError when none is connected).
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from frontend_service.control import PauseMode
 from frontend_service.engine_client import EngineUnavailableError
+from frontend_service.engine_group import EngineGroup
 
-if TYPE_CHECKING:
-    from frontend_service.engine_group import EngineGroup
+
+class PausableRequests(Protocol):
+    """What the utilities need of the frontend's requests (``RequestControl``)."""
+
+    async def pause(self, mode: PauseMode, poll_interval: float = ...) -> None: ...
+
+    def resume(self) -> None: ...
+
+    @property
+    def num_unfinished(self) -> int: ...
 
 
 class EngineUtilities:
-    """Mixed into AsyncLLM, which provides ``engines``, ``pause`` and ``resume``."""
-
-    engines: EngineGroup
+    def __init__(self, engines: EngineGroup, requests: PausableRequests) -> None:
+        self.engines = engines
+        self._requests = requests
 
     async def sleep(self, level: int = 1) -> None:
         """New requests wait (generation is paused), the ones in flight finish, then every
         engine sleeps: level 1 gives back the KV cache, level 2 the weights too."""
-        await self.pause(PauseMode.WAIT)  # type: ignore[attr-defined]
+        await self._requests.pause(PauseMode.WAIT)
         try:
             await self.engines.call_utility("sleep", level)
         except BaseException:
-            self.resume()  # type: ignore[attr-defined]
+            self._requests.resume()
             raise
 
     async def wake_up(self) -> None:
         """Every engine wakes (weights and KV cache back), then waiting requests run."""
         await self.engines.call_utility("wake_up")
-        self.resume()  # type: ignore[attr-defined]
+        self._requests.resume()
 
     async def is_sleeping(self) -> bool:
         """Whether any engine is asleep."""
@@ -81,7 +92,7 @@ class EngineUtilities:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + drain_timeout
         while True:
-            if not self.num_unfinished and all(await self.engines.call_utility("is_idle")):  # type: ignore[attr-defined]
+            if not self._requests.num_unfinished and all(await self.engines.call_utility("is_idle")):
                 return
             if loop.time() >= deadline:
                 raise TimeoutError(f"requests still unfinished after {drain_timeout:g}s")

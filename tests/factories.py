@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import random
 
+from engine_service.async_scheduler import AsyncScheduler
 from engine_service.kv_cache.manager import KVCacheManager
 from engine_service.request import Request
 from engine_service.scheduler import Scheduler, SchedulerOutput
@@ -38,24 +39,26 @@ def make_scheduler(
     policy: str = "fcfs",
     enable_caching: bool = True,
     chunked: bool = True,
+    async_scheduling: bool = False,
 ) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, enable_caching)
-    return Scheduler(kv, max_num_seqs, max_num_batched_tokens, max_model_len, policy, chunked)
+    cls = AsyncScheduler if async_scheduling else Scheduler
+    return cls(kv, max_num_seqs, max_num_batched_tokens, max_model_len, policy, chunked)
 
 
 def fake_step(scheduler: Scheduler, token: int = 7) -> tuple[SchedulerOutput, list[Request]]:
     """Schedule, pretend to run, and sample ``token`` for every request that samples."""
     out = scheduler.schedule()
     sampled = {s.request.request_id: token for s in out.scheduled if s.samples}
-    finished = scheduler.update_after_step(out, sampled)
-    return out, finished
+    scheduler.update_after_step(out, sampled)
+    return out, scheduler.take_ended()
 
 
 def run_until_done(scheduler: Scheduler, max_steps: int = 10_000) -> int:
     steps = 0
     while scheduler.num_unfinished:
         fake_step(scheduler)
-        scheduler.kv.pool.check_invariants()
+        scheduler.kv.check_invariants()
         steps += 1
         if steps > max_steps:
             raise AssertionError("scheduler made no progress")

@@ -111,7 +111,7 @@ def test_resource_exhausted_everywhere_reaches_the_caller_with_the_hint(tokenize
         llm.on_engine_outputs(b, _error(b.added[0].request_id, ErrorCode.RESOURCE_EXHAUSTED, 120))  # type: ignore[arg-type]
         with pytest.raises(RequestFailedError) as info:
             await first
-        assert llm.streams == {} and llm.num_unfinished == 0
+        assert llm.streams.by_id == {} and llm.num_unfinished == 0
         return info.value
 
     exc = asyncio.run(scenario())

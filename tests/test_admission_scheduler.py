@@ -27,7 +27,7 @@ def _with_deadline(request: Request, deadline: float | None) -> Request:
 
 
 def _admit(sched: Scheduler, admission: AdmissionController, request: Request) -> None:
-    admission.check(len(sched.waiting), sched.waiting.num_tokens, request.num_tokens)
+    admission.check(len(sched.lifecycle.waiting), sched.lifecycle.waiting.num_tokens, request.num_tokens)
     sched.add_request(request)
 
 
@@ -48,7 +48,7 @@ def test_full_waiting_queue_rejects_with_resource_exhausted_and_a_retry_hint() -
     assert error.code == ErrorCode.RESOURCE_EXHAUSTED
     assert "max_pending_requests=2" in error.message
     assert error.retry_after_ms > 0
-    assert len(sched.waiting) == 2 and len(sched.running) == 1
+    assert len(sched.lifecycle.waiting) == 2 and len(sched.lifecycle.running) == 1
 
 
 def test_retry_hint_follows_the_measured_drain_rate() -> None:
@@ -79,9 +79,9 @@ def test_waiting_tokens_bound_rejects_only_behind_a_non_empty_queue() -> None:
         _admit(sched, admission, make_request(4))
     assert info.value.error.code == ErrorCode.RESOURCE_EXHAUSTED
     assert "max_pending_tokens=20" in info.value.error.message
-    assert sched.waiting.num_tokens == 30
-    sched.waiting.pop()
-    assert sched.waiting.num_tokens == 0
+    assert sched.lifecycle.waiting.num_tokens == 30
+    sched.lifecycle.waiting.pop()
+    assert sched.lifecycle.waiting.num_tokens == 0
 
 
 # ---- deadlines -----------------------------------------------------------------------------
@@ -100,15 +100,15 @@ def test_expired_requests_are_dropped_waiting_and_aborted_running_with_blocks_fr
     assert running.status == RequestStatus.RUNNING and running.num_output_tokens > 0
     assert sched.kv.pool.num_free_blocks < sched.kv.pool.num_blocks
 
-    assert sched.expire(now + 99) == []
-    expired = sched.expire(now + 250)
+    assert sched.deadlines.expire(now + 99) == []
+    expired = sched.deadlines.expire(now + 250)
     assert set(expired) == {running, waiting}
     for r in expired:
         assert r.finish_reason == FinishReason.ERROR
         assert r.error is not None and r.error.code == ErrorCode.DEADLINE_EXCEEDED
         assert r.request_id not in sched.requests
     assert "running" in running.error.message and "waiting" in waiting.error.message
-    assert no_deadline in list(sched.waiting) or no_deadline in sched.running
+    assert no_deadline in list(sched.lifecycle.waiting) or no_deadline in sched.lifecycle.running
     sched.finish_requests([no_deadline.request_id], FinishReason.ABORT)
     assert sched.num_unfinished == 0
     sched.kv.pool.check_invariants()
@@ -122,7 +122,7 @@ def test_a_finished_request_does_not_expire_later() -> None:
     sched.add_request(r)
     fake_step(sched)
     assert r.finish_reason == FinishReason.LENGTH
-    assert sched.expire(now + 20) == []
+    assert sched.deadlines.expire(now + 20) == []
 
 
 # ---- earliest deadline first ------------------------------------------------------------
@@ -206,12 +206,12 @@ def test_a_request_that_cannot_prefill_before_its_deadline_is_shed() -> None:
     fine = _with_deadline(make_request(32, max_tokens=1), now + 3600)
     sched.add_request(hopeless)
     sched.add_request(fine)
-    out, _ = fake_step(sched)
+    out, ended = fake_step(sched)
     assert [s.request for s in out.scheduled] == [fine]
-    (shed,) = sched.take_shed()
-    assert shed is hopeless and hopeless.finish_reason == FinishReason.ERROR
+    assert ended == [hopeless, fine]  # shed at admission; then fine's only token
+    assert hopeless.finish_reason == FinishReason.ERROR
     assert hopeless.error is not None and hopeless.error.code == ErrorCode.DEADLINE_EXCEEDED
     assert "shed before prefill" in hopeless.error.message
-    assert sched.take_shed() == []
+    assert sched.take_ended() == []
     assert sched.num_unfinished == 0
     assert sched.kv.pool.num_free_blocks == sched.kv.pool.num_blocks

@@ -1,4 +1,5 @@
-"""Async scheduling (engine_service/step_pipeline.py): the same tokens as stepping in turn.
+"""Async scheduling (engine_service/engine_step.py, async_scheduler.py): the same tokens as
+stepping in turn.
 
 Each test drives two engines over the same workload, one with ``async_scheduling``, and
 compares every request's tokens and finish reason; the KV cache ends empty. Inputs are
@@ -13,7 +14,6 @@ import pytest
 
 from engine_service.config import EngineConfig
 from engine_service.core import EngineCore
-from engine_service.request import PENDING_TOKEN
 from tandem.protocol.outputs import EngineCoreRequest, FinishReason
 from tandem.protocol.sampling_params import SamplingParams
 from tandem.protocol.structured_output import StructuredOutputsParams
@@ -146,30 +146,32 @@ def test_outputs_come_one_step_later(tiny_llama_dir: str) -> None:
                                                                            ignore_eos=True)))
     first = core.step()  # the prefill is launched; its token is still on the device
     assert first.all_outputs() == []
-    assert core.scheduler.requests["a"].all_token_ids[-1] == PENDING_TOKEN
+    request = core.scheduler.requests["a"]  # the token is counted, not written into the lists
+    assert request.num_output_placeholders == 1 and request.all_token_ids == [5, 6, 7, 8]
+    assert request.num_computed_tokens == 4
     second = core.step()
     assert [o.new_token_ids for o in second.all_outputs()] and core.has_unfinished_requests()
     tokens = [t for out in (first, second) for o in out.all_outputs() for t in o.new_token_ids]
     while core.has_unfinished_requests():
         tokens += [t for o in core.step().all_outputs() for t in o.new_token_ids]
-    assert len(tokens) == 3 and PENDING_TOKEN not in tokens
+    assert len(tokens) == 3 and min(tokens) >= 0 and request.num_output_placeholders == 0
     core.kv_manager.pool.check_all_free()
 
 
 def test_a_placeholder_is_never_hashed_into_the_prefix_cache() -> None:
     """A placeholder that completes a block is left out of the block hashes until its
     token is known; then the block hashes as if the token had been there all along."""
-    sched = make_scheduler(block_size=4)
+    sched = make_scheduler(block_size=4, async_scheduling=True)
     request = make_request([11, 12, 13], max_tokens=4)  # the first output token completes block 0
     twin = make_request([11, 12, 13], max_tokens=4)
     sched.add_request(request)
-    out = sched.schedule()
-    sched.advance_in_flight(out)
-    assert request.all_token_ids == [11, 12, 13, PENDING_TOKEN] and request.num_pending_tokens == 1
+    out = sched.schedule()  # counts the prefill computed and one placeholder
+    assert request.all_token_ids == [11, 12, 13] and request.num_output_placeholders == 1
+    assert request.num_computed_tokens == 3
     sched.kv._update_block_hashes(request)
     assert request.block_hashes == []
-    sched.update_after_step(out, {request.request_id: 14}, advanced=True)
-    assert request.num_pending_tokens == 0 and request.all_token_ids[-1] == 14
+    sched.update_after_step(out, {request.request_id: 14})
+    assert request.num_output_placeholders == 0 and request.all_token_ids[-1] == 14
     sched.kv._update_block_hashes(request)
     twin.all_token_ids = [11, 12, 13, 14]
     sched.kv._update_block_hashes(twin)

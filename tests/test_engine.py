@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from engine_service.config import ConfigError, EngineConfig
 from engine_service.core import EngineCore
 from engine_service.core_loop import EngineCoreLoop, EngineDead, UtilityCall
-from engine_service.startup import warm_up_shapes
+from engine_service.startup import ScratchForward, warm_up_shapes
 from tandem.protocol.outputs import EngineCoreOutputs, EngineCoreRequest, FinishReason
 from tandem.protocol.sampling_params import InvalidRequestError, SamplingParams
 
@@ -177,8 +177,9 @@ def test_warm_up_forwards_leave_the_engine_as_it_was(core: EngineCore) -> None:
     cfg = core.config
     shapes = warm_up_shapes(cfg.max_num_seqs, cfg.max_num_batched_tokens, core.max_model_len, cfg.block_size)
     assert len(shapes) == 27
+    scratch = ScratchForward(cfg, core.model, core.model.config, core.executor)
     for shape in shapes:
-        core._scratch_forward(*shape)
+        scratch(*shape)
     for (k0, v0), (k1, v1) in zip(before, core.runner.kv_caches, strict=True):
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
     rng = random.Random(5)

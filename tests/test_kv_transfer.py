@@ -358,7 +358,7 @@ def test_abort_while_loading_frees_after_the_load(tiny_llama_dir: str) -> None:
         ended = p.consumer.step().all_outputs()
         assert [o.finish_reason for o in ended] == [FinishReason.ABORT]
         deadline = time.monotonic() + 10
-        while p.consumer.scheduler._orphans and time.monotonic() < deadline:
+        while p.consumer.scheduler.kv_transfer.num_orphans and time.monotonic() < deadline:
             p.consumer.idle_tick()
             time.sleep(0.01)
         p.settle()

@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from engine_service.kv_cache.block_pool import BlockPool
+from engine_service.kv_cache.manager import KVBlocks
 from engine_service.kv_transfer.base import FinishedLoad, KvConnector
 from engine_service.kv_transfer.held import HeldTransfer, HeldTransfers, TransferRefused
 from tandem.protocol import convert
@@ -110,15 +111,15 @@ def test_validate_remote_names_the_bad_field() -> None:
 def _hold(
     pool: BlockPool, table: HeldTransfers, rid: str, n: int, expires_at: float
 ) -> HeldTransfer:
-    blocks = pool.get_new_blocks(n)
-    held = HeldTransfer(rid, blocks, [b.block_id for b in blocks], b"s" * 16, expires_at)
+    blocks = KVBlocks(tuple(pool.get_new_blocks(n)), 4)
+    held = HeldTransfer(rid, blocks, blocks.block_ids, b"s" * 16, expires_at)
     table.hold(held)
     return held
 
 
 def _free(pool: BlockPool, table: HeldTransfers, now: float) -> None:
     for blocks in table.take_released(now):
-        pool.free_blocks(reversed(blocks))
+        pool.free_blocks(reversed(blocks.blocks))
 
 
 def test_held_transfers_free_on_pull_and_on_expiry() -> None:
@@ -246,7 +247,7 @@ def test_a_loading_request_waits_in_its_own_state_and_then_runs() -> None:
     scheduler.add_request(local)
     out, _ = fake_step(scheduler)
     assert [s.request for s in out.scheduled] == [local]  # the step did not wait for the load
-    assert remote.status == RequestStatus.WAITING_FOR_REMOTE_KV and scheduler.num_loading == 1
+    assert remote.status == RequestStatus.WAITING_FOR_REMOTE_KV and scheduler.kv_transfer.num_loading == 1
     assert len(connector.started[remote.request_id][0]) == 8  # blocks for 29 tokens
     assert scheduler.stats().num_waiting_reqs == 1
     connector.finish(remote.request_id)

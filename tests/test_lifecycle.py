@@ -16,7 +16,6 @@ from grpc_health.v1 import health
 
 from engine_service import core_loop, lifecycle
 from engine_service.core_loop import EngineCoreLoop, EngineDead
-from engine_service.server import EngineServerConfig
 from engine_service.watchdog import StepWatchdog
 from frontend_service.admission import RequestFailedError
 from frontend_service.async_llm import AsyncLLM
@@ -90,7 +89,7 @@ class HangingCore:
         self.unfinished = 0
         return EngineCoreOutputs()
 
-    def take_abort_outputs(self) -> None:
+    def take_ended_outputs(self) -> None:
         return None
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -208,14 +207,14 @@ async def _run_engine(
     loop.start()
     await asyncio.wrap_future(loop.started)
     signals = StopSignals()
-    config = EngineServerConfig(drain_timeout=drain_timeout, step_timeout=0.2)
+    config = lifecycle.LifecycleConfig(drain_timeout=drain_timeout, step_timeout=0.2)
     if hung:
         loop.add_request(_request())
     for _ in range(signals_sent):
         signals.on_signal(signal.SIGTERM)
     try:
         status = await asyncio.wait_for(
-            lifecycle.run_until_stopped(servicer, service_health, loop, config, signals),  # type: ignore[arg-type]
+            lifecycle.run_until_stopped(servicer, service_health, loop, 0, config, signals),  # type: ignore[arg-type]
             timeout=WAIT,
         )
     finally:

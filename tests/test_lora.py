@@ -51,7 +51,7 @@ def _run(
             tokens[o.request_id].extend(o.new_token_ids)
             cached[o.request_id] = o.num_cached_tokens
         if check_slots:
-            running = {r.lora_int_id for r in core.scheduler.running} - {0}
+            running = {r.lora_int_id for r in core.scheduler.lifecycle.running} - {0}
             assert len(running) <= core.config.max_loras
     return list(tokens.values()), list(cached.values())
 

@@ -17,8 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine_service.models.gguf_weights import TENSOR_TYPES, QuantizedRows, gguf_entries
+from engine_service.models.gguf_weights import TENSOR_TYPES, gguf_entries
 from engine_service.models.loader import load_model
+from engine_service.models.quantized import QuantizedRows
 from frontend_service.openai.protocol import ChatCompletionRequest
 from tandem.model_source import gguf_sidecar, resolve_model
 from tandem.protocol import convert

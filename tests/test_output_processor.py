@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 
 from frontend_service.input_processor import InputProcessor, ProcessedRequest
-from frontend_service.output_processor import OutputProcessor, ParentRequest
+from frontend_service.output_processor import OutputProcessor
 from frontend_service.outputs import RequestOutput
+from frontend_service.parent_request import ParentRequest
 from tandem.protocol.outputs import EngineCoreOutput, FinishReason, Logprobs, TokenColumns
 from tandem.protocol.sampling_params import InvalidRequestError, RequestOutputKind, SamplingParams
 from tests.text_factories import (

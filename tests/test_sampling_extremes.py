@@ -227,7 +227,7 @@ def _run_batch(env: Env, cases: list[SamplingParams], prompt: str = "a") -> list
                 finals[out.request_id] = out
     else:
         raise AssertionError("the engine did not finish")
-    aborts = core.take_abort_outputs()
+    aborts = core.take_ended_outputs()
     if aborts is not None:
         for out in aborts.all_outputs():
             finals.setdefault(out.request_id, out)

@@ -90,7 +90,7 @@ def test_max_num_seqs_caps_running() -> None:
     for _ in range(5):
         sched.add_request(make_request(4))
     out, _ = fake_step(sched)
-    assert len(out.scheduled) == 3 and len(sched.waiting) == 2
+    assert len(out.scheduled) == 3 and len(sched.lifecycle.waiting) == 2
     run_until_done(sched)
 
 
@@ -165,7 +165,8 @@ def test_stop_conditions() -> None:
         sched.add_request(r)
     out = sched.schedule()
     sampled = {eos.request_id: 0, stop_tok.request_id: 7, min_tok.request_id: 7, ignore.request_id: 0}
-    finished = sched.update_after_step(out, sampled)
+    sched.update_after_step(out, sampled)
+    finished = sched.take_ended()
     assert {r.request_id for r in finished} == {eos.request_id, stop_tok.request_id}
     assert eos.finish_reason == FinishReason.STOP and eos.stop_reason is None
     assert stop_tok.finish_reason == FinishReason.STOP and stop_tok.stop_reason == 7
@@ -229,7 +230,7 @@ def test_random_workload_keeps_invariants() -> None:
             sched.finish_requests([rng.choice(list(sched.requests))], FinishReason.ABORT)
         fake_step(sched, token=rng.randrange(1, 100))
         sched.kv.pool.check_invariants()
-        for s in sched.running:
+        for s in sched.lifecycle.running:
             assert s.num_computed_tokens <= s.num_tokens
         if step > 300 and not sched.num_unfinished:
             break

@@ -71,9 +71,9 @@ def test_three_chunks_equal_one_request_each_and_compute_only_new_tokens(
         if turn:
             assert last.num_cached_tokens == computed_before
         history += tokens
-        assert not core.has_unfinished_requests() and "s" in core.scheduler.sessions
+        assert not core.has_unfinished_requests() and "s" in core.scheduler.lifecycle.sessions
     core.abort_requests(["s"])
-    assert not core.scheduler.sessions
+    assert not core.scheduler.lifecycle.sessions
     core.kv_manager.pool.check_all_free()
 
 
@@ -88,7 +88,7 @@ def test_a_session_turn_takes_its_place_under_the_queue_bound(tiny_llama_dir: st
     core.admit_request(EngineCoreRequest("s", [5, 6, 7], params, resumable=True))
     while core.has_unfinished_requests():
         core.step()
-    assert "s" in core.scheduler.sessions
+    assert "s" in core.scheduler.lifecycle.sessions
     core.admit_request(EngineCoreRequest("other", [8, 9], params))  # the queue is full now
     with pytest.raises(RequestRejected) as refused:
         core.admit_request(EngineCoreRequest("s", [10, 11], params, resumable=True))
@@ -108,7 +108,7 @@ def test_session_restrictions_and_eviction(core: EngineCore) -> None:
     core.add_request(EngineCoreRequest("a", list(range(5, 45)), params, resumable=True))
     _drain(core, "a", [])
     held = core.kv_manager.pool.num_free_blocks
-    core.scheduler._evict_idle_session()  # what memory pressure does
+    core.scheduler.session_eviction.make_room()  # what memory pressure does
     assert core.kv_manager.pool.num_free_blocks > held
     # The next turn recomputes the history and still works.
     core.add_request(EngineCoreRequest("a", [7, 8, 9], params, resumable=True))

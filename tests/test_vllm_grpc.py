@@ -101,14 +101,14 @@ def _wait_idle(engine: InProcessEngine, timeout: float = 30) -> None:
     while True:
         core = engine.servicer.core
         idle = (
-            not engine.servicer.owner and not core.scheduler.running and not core.scheduler.waiting
+            not engine.servicer.outputs.owner and not core.scheduler.lifecycle.running and not core.scheduler.lifecycle.waiting
             and core.kv_manager.pool.num_free_blocks == core.num_blocks
         )
         if idle:
             return
         if time.monotonic() > deadline:
             raise AssertionError(
-                f"not idle: owner={list(engine.servicer.owner)} running={len(core.scheduler.running)} "
+                f"not idle: owner={list(engine.servicer.outputs.owner)} running={len(core.scheduler.lifecycle.running)} "
                 f"free={core.kv_manager.pool.num_free_blocks}/{core.num_blocks}"
             )
         time.sleep(0.05)

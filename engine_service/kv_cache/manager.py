@@ -4,8 +4,37 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine_service.kv_cache.block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from engine_service.kv_cache.block_pool import (
+    BlockEventSink,
+    BlockPool,
+    KVCacheBlock,
+    hash_block_tokens,
+)
 from engine_service.request import Request
+
+
+@dataclass(frozen=True)
+class KVBlocks:
+    """Blocks outside any request's table, opaque beyond this package: a prefix-cache
+    hit (``get_computed_blocks``: not referenced yet), or blocks taken out of a request
+    (``take_blocks``: one reference each, the holder's, given back with ``free_blocks``)."""
+
+    blocks: tuple[KVCacheBlock, ...] = ()
+    block_size: int = 0
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.blocks) * self.block_size
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [b.block_id for b in self.blocks]
+
+
+NO_BLOCKS = KVBlocks()
 
 
 @dataclass
@@ -37,29 +66,38 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def set_event_sink(self, events: BlockEventSink | None) -> None:
+        """Report blocks cached and evicted from now on to ``events`` (None: stop)."""
+        self.pool.events = events
+
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
     def _update_block_hashes(self, request: Request) -> None:
-        """Extend ``request.block_hashes`` to cover every full block of its known tokens
-        (a trailing placeholder of async scheduling is not hashed)."""
+        """Extend ``request.block_hashes`` to cover every full block of its known tokens."""
         bs = self.block_size
         tokens = request.all_token_ids
         hashes = request.block_hashes
-        for i in range(len(hashes), (len(tokens) - request.num_pending_tokens) // bs):
+        for i in range(len(hashes), len(tokens) // bs):
             parent = hashes[-1] if hashes else None
             salt = request.cache_extra if i == 0 else None
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], salt))
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest cached prefix of a request that has nothing computed yet.
-
-        At least one token is always left to compute, so the step produces logits.
-        Returns the hit blocks (not yet referenced) and the number of tokens they hold.
-        """
+    def get_computed_blocks(self, request: Request) -> KVBlocks:
+        """Longest cached prefix of a request that has nothing computed yet (not yet
+        referenced: ``allocate_slots`` takes it). At least one token is always left to
+        compute, so the step produces logits."""
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             # Prompt logprobs need the logits of every prompt position.
-            return [], 0
+            return NO_BLOCKS
         self._update_block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
@@ -71,20 +109,19 @@ class KVCacheManager:
         num_hit_tokens = len(hits) * self.block_size
         self.stats.queries += request.num_tokens
         self.stats.hits += num_hit_tokens
-        return hits, num_hit_tokens
+        return KVBlocks(tuple(hits), self.block_size)
 
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
-        new_computed_blocks: list[KVCacheBlock] | None = None,
+        hit: KVBlocks = NO_BLOCKS,
     ) -> bool:
-        """Give the request blocks for ``num_new_tokens`` more tokens after its computed ones.
-
-        ``new_computed_blocks`` are prefix-cache hits found by ``get_computed_blocks``.
+        """Give the request blocks for ``num_new_tokens`` more tokens after its computed ones
+        and the prefix-cache ``hit`` (``get_computed_blocks``'s) it starts with.
         Returns False, changing nothing, when the free blocks do not suffice.
         """
-        hits = new_computed_blocks or []
+        hits = list(hit.blocks)
         blocks = self.req_blocks.setdefault(request.request_id, [])
         num_computed = request.num_computed_tokens + len(hits) * self.block_size
         needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(blocks) - len(hits)
@@ -126,16 +163,24 @@ class KVCacheManager:
         if blocks:
             self.pool.free_blocks(reversed(blocks))
 
-    def take_blocks(self, request: Request) -> list[KVCacheBlock]:
+    def blocks_of(self, request: Request) -> KVBlocks:
+        """The request's blocks (still its own: nothing changes hands)."""
+        return KVBlocks(tuple(self.req_blocks.get(request.request_id, ())), self.block_size)
+
+    def take_blocks(self, request: Request) -> KVBlocks:
         """Forget the request's blocks without freeing them: the caller now owns their
         references (a KV connector holding them for another engine) and gives them
         back with ``free_blocks``."""
         self.num_registered.pop(request.request_id, None)
-        return self.req_blocks.pop(request.request_id, [])
+        return KVBlocks(tuple(self.req_blocks.pop(request.request_id, ())), self.block_size)
 
-    def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
+    def free_blocks(self, taken: KVBlocks) -> None:
         """Return blocks taken with ``take_blocks``; the tail goes first."""
-        self.pool.free_blocks(reversed(blocks))
+        self.pool.free_blocks(reversed(taken.blocks))
+
+    def check_invariants(self) -> None:
+        """The block pool's reference counts and free queue agree with the request tables."""
+        self.pool.check_invariants()
 
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_prefix_cache()

@@ -9,13 +9,13 @@ block tables: a connector hands blocks back (``take_released``) and loaded data
 (``poll_finished_loads``) for the step thread to apply.
 
 Hooks, in a request's life:
-- consumer, at admission (``Scheduler._admit_waiting``): ``get_num_external_tokens``
+- consumer, at admission (``KvTransfer.place``, kv_transfer/scheduling.py): ``get_num_external_tokens``
   says how many tokens beyond the local prefix-cache hit it can load; the scheduler
-  allocates their blocks, parks the request as WAITING_FOR_REMOTE_KV (it takes no step
+  allocates their blocks, the request waits as WAITING_FOR_REMOTE_KV (it takes no step
   slot) and calls ``start_load``.
 - consumer, at each schedule() (and while idle): ``poll_finished_loads`` reports loads
   that ended, with the tokens now computed (0: failed, the request computes them).
-- producer, when a request finishes (``Scheduler._finish``): ``request_finished``
+- producer, when a request finishes (``KvTransfer.release``): ``request_finished``
   decides whether to keep its blocks for a consumer (the connector then owns one
   reference on each) and returns the params for the last output.
 - producer, at each schedule() (and while idle): ``take_released`` gives back the
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from engine_service.kv_cache.block_pool import KVCacheBlock
+    from engine_service.kv_cache.manager import KVBlocks
     from engine_service.request import Request
     from tandem.protocol.kv_transfer import KvTransferParams
     from tandem.protocol.outputs import FinishReason
@@ -109,19 +109,20 @@ class KvConnector:
     # ---- producer side -------------------------------------------------------
 
     def request_finished(
-        self, request: Request, reason: FinishReason, blocks: Sequence[KVCacheBlock]
+        self, request: Request, reason: FinishReason, blocks: KVBlocks
     ) -> tuple[bool, KvTransferParams | None]:
-        """(hold, params): hold True: the connector keeps ``blocks`` (the scheduler does
-        not free them; ``take_released`` gives them back later); params go in the
-        request's last output."""
+        """(hold, params): hold True: the connector keeps ``blocks`` (the request's, in
+        order; the KV cache manager hands them over with one reference each, and
+        ``take_released`` gives them back later); params go in the request's last
+        output. ``blocks`` is opaque but for ``len`` and ``block_ids``."""
         return False, None
 
-    def take_released(self, now: float) -> list[list[KVCacheBlock]]:
-        """Block lists of held transfers done with (pulled, or expired by ``now``, a
+    def take_released(self, now: float) -> list[KVBlocks]:
+        """Blocks of held transfers done with (pulled, or expired by ``now``, a
         ``time.time()``), for the scheduler to free."""
         return []
 
-    def drop_held(self) -> list[list[KVCacheBlock]]:
+    def drop_held(self) -> list[KVBlocks]:
         """Every held transfer's blocks, for the scheduler to free now (the KV cache goes
         away: sleep mode); pulls still streaming them fail."""
         return []

@@ -30,7 +30,7 @@ from engine_service.kv_cache.block_pool import hash_block_tokens
 from engine_service.kv_transfer.base import CacheLayout, FinishedLoad, KvConnector
 from engine_service.kv_transfer.blocks import KvBlockIO
 from engine_service.kv_transfer.held import HeldTransfer, HeldTransfers
-from engine_service.kv_transfer.observe import emit_span, trace_metadata
+from engine_service.kv_transfer.observe import TransferStats, emit_span, trace_metadata
 from tandem.protocol.kv_transfer import KvTransferParams
 from tandem.protocol.outputs import FinishReason
 from tandem.security import EngineChannelSecurity
@@ -38,7 +38,7 @@ from tandem.telemetry import Tracing
 from tandem.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
 
 if TYPE_CHECKING:
-    from engine_service.kv_cache.block_pool import KVCacheBlock
+    from engine_service.kv_cache.manager import KVBlocks
     from engine_service.request import Request
 
 logger = logging.getLogger(__name__)
@@ -51,19 +51,6 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
 ]
-
-
-@dataclass
-class TransferStats:
-    """Counters since start (the Prometheus metrics read them)."""
-
-    bytes_sent: int = 0  # producer: KV bytes streamed to consumers
-    bytes_received: int = 0  # consumer: KV bytes pulled
-    pulls_served: int = 0  # producer: pulls streamed to the end
-    loads_ok: int = 0  # consumer: loads that filled their blocks
-    loads_failed: int = 0  # consumer: loads that fell back to computing
-    load_seconds: float = 0.0  # consumer: time from start_load to the data in hand
-    expired: int = 0  # producer: transfers freed unpulled
 
 
 def block_hashes(request: Request, num_full_blocks: int, block_size: int) -> list[bytes]:
@@ -143,7 +130,7 @@ class GrpcKvConnector(KvConnector):
     # ---- producer side ---------------------------------------------------------
 
     def request_finished(
-        self, request: Request, reason: FinishReason, blocks: Sequence[KVCacheBlock]
+        self, request: Request, reason: FinishReason, blocks: KVBlocks
     ) -> tuple[bool, KvTransferParams | None]:
         params = request.kv_transfer_params
         if not self.produces or params is None or not params.do_remote_decode:
@@ -155,10 +142,10 @@ class GrpcKvConnector(KvConnector):
         num_blocks = -(-num_tokens // bs)
         if num_tokens < 1 or len(blocks) < num_blocks:
             return False, None
-        ids = [b.block_id for b in blocks[:num_blocks]]
+        ids = blocks.block_ids[:num_blocks]
         secret = secrets.token_bytes(16)
         expires_at = time.time() + self.expiry_s
-        self.held.hold(HeldTransfer(request.request_id, list(blocks), ids, secret, expires_at))
+        self.held.hold(HeldTransfer(request.request_id, blocks, ids, secret, expires_at))
         return True, KvTransferParams(
             do_remote_prefill=True,
             remote_engine_id=self.engine_id,
@@ -172,13 +159,13 @@ class GrpcKvConnector(KvConnector):
             transfer_secret=secret,
         )
 
-    def take_released(self, now: float) -> list[list[KVCacheBlock]]:
+    def take_released(self, now: float) -> list[KVBlocks]:
         before = self.held.num_expired
         released = self.held.take_released(now)
         self.stats.expired += self.held.num_expired - before
         return released
 
-    def drop_held(self) -> list[list[KVCacheBlock]]:
+    def drop_held(self) -> list[KVBlocks]:
         return self.held.drop_all()
 
     @property

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 if TYPE_CHECKING:
-    from engine_service.kv_cache.block_pool import KVCacheBlock
+    from engine_service.kv_cache.manager import KVBlocks
 
 
 class TransferRefused(Exception):
@@ -33,7 +33,7 @@ class TransferRefused(Exception):
 @dataclass
 class HeldTransfer:
     request_id: str
-    blocks: list[KVCacheBlock]  # one reference each is the table's
+    blocks: KVBlocks  # one reference each is the table's
     block_ids: list[int]  # the advertised ones (a prefix of ``blocks``)
     secret: bytes = field(repr=False)
     expires_at: float  # time.time()
@@ -44,7 +44,7 @@ class HeldTransfers:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._held: dict[str, HeldTransfer] = {}
-        self._released: list[list[KVCacheBlock]] = []
+        self._released: list[KVBlocks] = []
         self.num_expired = 0  # transfers dropped unpulled, since start
 
     def __len__(self) -> int:
@@ -100,7 +100,7 @@ class HeldTransfers:
                     self._released.append(held.blocks)
                     return
 
-    def take_released(self, now: float) -> list[list[KVCacheBlock]]:
+    def take_released(self, now: float) -> list[KVBlocks]:
         """Pulled transfers' blocks, and those of unclaimed transfers expired by ``now``."""
         with self._lock:
             for key, entry in list(self._held.items()):
@@ -111,7 +111,7 @@ class HeldTransfers:
             released, self._released = self._released, []
             return released
 
-    def drop_all(self) -> list[list[KVCacheBlock]]:
+    def drop_all(self) -> list[KVBlocks]:
         """Every transfer, claimed or not (the engine resets or shuts down)."""
         with self._lock:
             released = self._released + [h.blocks for h in self._held.values()]

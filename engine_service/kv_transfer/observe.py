@@ -1,6 +1,7 @@
 """KV transfers in Prometheus (``tandem:kv_transfer_*``) and in traces.
 
-The metrics are read from the connector's ``TransferStats`` when scraped; the spans
+The connector counts into a ``TransferStats``; ``KvTransferCollector`` reads it (and the
+number of held transfers) from any ``TransferSource`` when scraped. The spans
 (``kv_transfer_pull`` on the consumer, ``kv_transfer_send`` on the producer) hang under
 the request's trace: the consumer has the request's trace headers and passes them on
 to the producer as the pull's gRPC metadata.
@@ -9,21 +10,42 @@ to the producer as the pull's gRPC metadata.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from tandem.telemetry import Tracing, wall_ns
 
-if TYPE_CHECKING:
-    from engine_service.kv_transfer.grpc_connector import GrpcKvConnector
-
 TRACE_KEYS = ("traceparent", "tracestate")
 
 
+@dataclass
+class TransferStats:
+    """Counters since start (the Prometheus metrics read them)."""
+
+    bytes_sent: int = 0  # producer: KV bytes streamed to consumers
+    bytes_received: int = 0  # consumer: KV bytes pulled
+    pulls_served: int = 0  # producer: pulls streamed to the end
+    loads_ok: int = 0  # consumer: loads that filled their blocks
+    loads_failed: int = 0  # consumer: loads that fell back to computing
+    load_seconds: float = 0.0  # consumer: time from start_load to the data in hand
+    expired: int = 0  # producer: transfers freed unpulled
+
+
+class TransferSource(Protocol):
+    """What the collector reads at each scrape (``GrpcKvConnector`` is one)."""
+
+    @property
+    def stats(self) -> TransferStats: ...
+
+    @property
+    def num_held_transfers(self) -> int: ...
+
+
 class KvTransferCollector(Collector):
-    def __init__(self, connector: GrpcKvConnector, engine_index: int) -> None:
+    def __init__(self, connector: TransferSource, engine_index: int) -> None:
         self.connector = connector
         self.engine = str(engine_index)
 

@@ -13,7 +13,8 @@ import concurrent.futures
 import contextlib
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any, TypeVar
 
 import grpc
 
@@ -23,6 +24,8 @@ from engine_service.kv_transfer.observe import TRACE_KEYS, emit_span
 from tandem.grpc_server import MessageLimits, ServiceServer
 from tandem.security import ServerSecurity
 from tandem.v1 import kv_transfer_pb2, kv_transfer_pb2_grpc
+
+T = TypeVar("T")
 
 SERVICE_NAME = "tandem.v1.KvTransfer"
 _KINDS = (kv_transfer_pb2.KV_CACHE_KIND_KEY, kv_transfer_pb2.KV_CACHE_KIND_VALUE)
@@ -138,7 +141,7 @@ class KvTransferServer:
         self.port = self.server.port
         self.address = f"{host}:{self.port}"
 
-    def _run(self, coro):  # type: ignore[no-untyped-def]
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=30)
 
     def stop(self) -> None:

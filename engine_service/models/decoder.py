@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_service.attention import AttentionMetadata
-from engine_service.models.gguf_weights import Q8_0_GROUP, QuantizedRows
+from engine_service.models.quantized import Q8_0_GROUP, QuantizedRows
 from engine_service.models.rotary import build_cos_sin_cache
 from kernels.dispatch import KernelOps
 from kernels.onednn_linear import pack_weight, packed_linear
@@ -376,7 +376,8 @@ class DecoderForCausalLM(nn.Module):
         """The flat weight list of ``tandem_cpu::decode_layers`` (16 per layer, in its
         ``Slot`` order), or None when a layer is not plain panel-packed (not packed,
         oneDNN, LoRA-wrapped, tensor-parallel). Rebuilt when a projection or its packed
-        weight is replaced; the check reads the module dicts directly (~10 us a step)."""
+        weight is replaced; the check reads the module dicts directly, as it runs every
+        decode step."""
         cached = self._native_weights
         if cached is not None:
             slots, weights = cached

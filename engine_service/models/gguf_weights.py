@@ -10,10 +10,10 @@ What each tensor type becomes (``TENSOR_TYPES``):
 
 - F32, F16, BF16: read as they are, cast to the model's dtype.
 - Q8_0 (int8 values, one float16 scale per 32 of a row): kept as int8 with its scales
-  (``QuantizedRows``) when the model's linears take grouped int8 panels (CPU, float32,
-  ``--quantization auto|int8``); dequantized to the model's dtype otherwise.
+  (``QuantizedRows``, quantized.py) when the model's linears take grouped int8 panels
+  (CPU, float32, ``--quantization auto|int8``); dequantized to the model's dtype otherwise.
 - Q4_0, Q4_1, Q4_K, Q5_K, Q6_K: dequantized at load to the model's dtype, so they cost
-  that dtype's memory (float32: 4 bytes a weight, ~7x the file's 4.5-6.6 bits).
+  that dtype's memory (float32: 32 bits a weight where the file stores 4.5-6.6).
 
 Any other type is refused by name before anything is read. llama.cpp stores Llama's q and
 k projections with each head's rotary halves interleaved; ``read`` undoes that permutation
@@ -23,13 +23,18 @@ k projections with each head's rotary halves interleaved; ``read`` undoes that p
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from engine_service.models.checkpoint_map import weight_targets
+from engine_service.models.quantized import Q8_0_GROUP, QuantizedRows
 from tandem.gguf_metadata import open_gguf
 from tandem.protocol.model_config import ModelConfig, ModelLoadError
+
+if TYPE_CHECKING:
+    from gguf import ReaderTensor
 
 # ggml type name -> what it becomes (docs/models.md shows this table).
 TENSOR_TYPES: dict[str, str] = {
@@ -43,28 +48,12 @@ TENSOR_TYPES: dict[str, str] = {
     "Q5_K": "dequantized at load",
     "Q6_K": "dequantized at load",
 }
-Q8_0_GROUP = 32  # k per Q8_0 block (one float16 scale, 32 int8 values)
-_Q8_0_BLOCK_BYTES = 2 + Q8_0_GROUP
+_Q8_0_BLOCK_BYTES = 2 + Q8_0_GROUP  # one float16 scale, then the group's int8 values
 
 # GGUF tensors that carry no weights for this decoder.
 _IGNORED = frozenset({"rope_freqs.weight"})
 # Families whose q/k rows llama.cpp's converter permuted (its LlamaModel.permute).
 _PERMUTED_QK = frozenset({"llama"})
-
-
-@dataclass(frozen=True)
-class QuantizedRows:
-    """A Q8_0 matrix as it is stored: ``values`` int8 ``[N, K]``, ``scales`` float32
-    ``[N, K / 32]``; the weight is ``values * scales.repeat_interleave(32, dim=1)``."""
-
-    values: torch.Tensor
-    scales: torch.Tensor
-
-    def dequantize(self) -> torch.Tensor:
-        return self.values.float() * self.scales.repeat_interleave(Q8_0_GROUP, dim=1)
-
-    def rows(self, index: torch.Tensor) -> QuantizedRows:
-        return QuantizedRows(self.values[index].contiguous(), self.scales[index].contiguous())
 
 
 Reader = Callable[[bool], "torch.Tensor | QuantizedRows"]  # read(keep_q8_0) -> tensor
@@ -121,12 +110,12 @@ def gguf_entries(path: str, config: ModelConfig) -> Iterator[tuple[str, tuple[in
         yield hf_name, shape, _reader(tensor, shape, heads)
 
 
-def _reader(tensor: object, shape: tuple[int, ...], heads: int | None) -> Reader:
+def _reader(tensor: ReaderTensor, shape: tuple[int, ...], heads: int | None) -> Reader:
     import gguf
 
     def read(keep_q8_0: bool) -> torch.Tensor | QuantizedRows:
-        kind = tensor.tensor_type  # type: ignore[attr-defined]
-        data = tensor.data  # type: ignore[attr-defined]
+        kind = tensor.tensor_type
+        data = tensor.data
         if kind == gguf.GGMLQuantizationType.Q8_0 and keep_q8_0 and len(shape) == 2:
             q = _split_q8_0(data, shape[1])
             if heads is not None:
@@ -158,8 +147,6 @@ def _gguf_arch(model_type: str) -> object:
 def _hf_names(arch: object, config: ModelConfig) -> dict[str, str]:
     """GGUF tensor name -> Hugging Face name, for every tensor this config can hold."""
     import gguf
-
-    from engine_service.models.loader import weight_targets
 
     table = gguf.get_tensor_name_map(arch, config.num_layers)
     names = list(weight_targets(config))

@@ -1,9 +1,10 @@
 """llguidance as the grammar backend: the vocabulary, and constraint -> matcher.
 
 Why llguidance and not xgrammar (measured in ``benchmarks/structured_output.py
---compare-backends``, bench-135m's 49,152-token vocabulary): compiling a JSON schema
-takes under 1 ms here against 0.7-130 ms for xgrammar (llguidance builds its lexer
-lazily), the per-token mask costs the same or less, a compiled constraint is a matcher
+--compare-backends``, bench-135m's 49,152-token vocabulary; figures in
+``benchmarks/NOTES.md``): compiling a JSON schema is much faster than with xgrammar
+(llguidance builds its lexer lazily), the per-token mask costs the same or less, a
+compiled constraint is a matcher
 we deep-copy per request, matchers roll back, and the wheel has no dependencies (xgrammar
 pulls torch, triton and apache-tvm-ffi).
 """
@@ -26,7 +27,8 @@ _MAX_GRAMMAR_SIZE = 2_000_000
 
 def load_tokenizer(model_dir: str, vocab_size: int) -> Any:
     """llguidance's view of the checkpoint's tokenizer, padded to the model's vocab_size
-    (ids past the tokenizer's are never allowed). ~0.25 s for 49k tokens."""
+    (ids past the tokenizer's are never allowed). A one-off cost per engine, not per
+    request (its time: benchmarks/NOTES.md)."""
     import llguidance.hf
     from transformers import AutoTokenizer
 

@@ -2,10 +2,10 @@
 bitmask per step, matchers advanced with each accepted token.
 
 Per step (hooks of the core, the scheduler and the runner):
-1. ``end_failed(scheduler)`` (the scheduler's pre-schedule hook) resolves finished
-   compiles (``poll()``): a request whose constraint did not compile ends with
-   INVALID_ARGUMENT; one still compiling stays waiting (the scheduler passes
-   over it, ``StructuredRequest.ready``) without holding the batch.
+1. Before each schedule the scheduler's ``StructuredOutputs`` feature (scheduling.py)
+   resolves finished compiles (``poll()``): a request whose constraint did not compile
+   ends with INVALID_ARGUMENT; one still compiling stays waiting (passed over,
+   ``StructuredRequest.ready``) without holding the batch.
 2. ``start_fill(requests)`` computes the bitmask of the step's constrained sampling rows
    on a worker thread (llguidance drops the GIL), overlapping the forward pass;
    ``apply(logits, fill)`` waits for it and masks the logits before sampling, so
@@ -33,13 +33,12 @@ import numpy as np
 import torch
 
 from engine_service.structured_output.backend import compile_matcher, load_tokenizer
-from tandem.protocol.outputs import ErrorCode, FinishReason, RequestError
+from tandem.protocol.outputs import ErrorCode, RequestError
 from tandem.protocol.sampling_params import InvalidRequestError
 from tandem.protocol.structured_output import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from engine_service.request import Request
-    from engine_service.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -195,16 +194,6 @@ class StructuredOutputManager:
     @property
     def num_compiling(self) -> int:
         return len(self._compiling)
-
-    def end_failed(self, scheduler: Scheduler) -> list[Request]:
-        """The scheduler's pre-schedule hook: end the requests whose constraint did not
-        compile (FinishReason.ERROR with the reason) and return them."""
-        ended = []
-        for request in self.poll():
-            ended += scheduler.finish_requests(
-                [request.request_id], FinishReason.ERROR, error=request.structured.error
-            )
-        return ended
 
     def wait_if_idle(self) -> None:
         """Called for a step with nothing to run: wait briefly (_IDLE_WAIT_S) for a

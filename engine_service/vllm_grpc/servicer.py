@@ -32,7 +32,8 @@ from engine_service.vllm_grpc.tokenizer_files import tokenizer_chunks, tokenizer
 from tandem.protocol.outputs import EngineCoreOutputs, FinishReason
 
 if TYPE_CHECKING:
-    from engine_service.servicer import EngineServicer, _Client
+    from engine_service.client_outputs import Client
+    from engine_service.servicer import EngineServicer
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +58,12 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
         if engine.dead is not None:
             raise CallFailed.unavailable(engine.dead.message)
 
-    async def _next_step(self, client: _Client) -> EngineCoreOutputs:
+    async def _next_step(self, client: Client) -> EngineCoreOutputs:
         item = await client.outbox.get()
         if item is None:  # the engine died or is closing its streams
             dead = self.engine.dead
             raise CallFailed.unavailable(dead.message if dead is not None else "the engine is shutting down")
+        assert isinstance(item, EngineCoreOutputs)  # a local client's outbox holds domain steps
         return item
 
     # ---- generation ------------------------------------------------------------------
@@ -134,8 +136,8 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
     ) -> vllm_engine_pb2.AbortResponse:
         engine = self.engine
         wanted = set(request.request_ids)
-        for owned in [r for r in engine.owner if r in wanted or convert.call_id_of(r) in wanted]:
-            client = engine.owner_client(owned)
+        for owned in [r for r in engine.outputs.owner if r in wanted or convert.call_id_of(r) in wanted]:
+            client = engine.outputs.owner_client(owned)
             if client is not None and client.local:  # never a tandem.v1 frontend's request
                 logger.info("Abort: aborting %s", owned)
                 engine.abort_owned(client, [owned])
@@ -188,7 +190,7 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
             await abort_with(context, exc)
         cfg = self.engine.core.config
         return vllm_engine_pb2.GetServerInfoResponse(
-            active_requests=len(self.engine.owner),
+            active_requests=len(self.engine.outputs.owner),
             is_paused=self.engine.core.sleep_level > 0,
             last_receive_timestamp=self.last_receive,
             uptime_seconds=time.monotonic() - self.started,
@@ -228,12 +230,12 @@ class VllmEngineServicer(vllm_engine_pb2_grpc.VllmEngineServicer):
 
     def _load_now(self) -> LoadNumbers:
         core, metrics = self.engine.core, self.engine.metrics
-        # len() of the scheduler's containers is safe to read from this thread.
+        # The scheduler's counts (len() of its containers) are safe to read from this thread.
         capacity = core.num_blocks * core.config.block_size
         usage = core.kv_manager.usage
         return LoadNumbers(
-            running=len(core.scheduler.running),
-            waiting=len(core.scheduler.waiting),
+            running=core.scheduler.num_running,
+            waiting=core.scheduler.num_waiting,
             usage=usage,
             used_tokens=int(usage * capacity),
             capacity_tokens=capacity,

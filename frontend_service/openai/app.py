@@ -23,7 +23,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -161,7 +161,7 @@ class SSEResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, first: bytes, rest: AsyncIterator[bytes]) -> None:
+    def __init__(self, first: bytes, rest: AsyncGenerator[bytes, None]) -> None:
         self.status_code = 200
         self.background = None
         self.init_headers({"cache-control": "no-cache"})  # no body: chunked, no content-length
@@ -181,7 +181,7 @@ class SSEResponse(Response):
         except ClientGoneError:
             logger.debug("client went away mid-stream: request aborted")
         finally:
-            await self.rest.aclose()  # type: ignore[attr-defined]
+            await self.rest.aclose()
 
 
 def guarded(route: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:

@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -50,7 +50,7 @@ def _failed(c: CompletionOutput) -> None:
 async def _merged(
     llm: AsyncLLM, params: SamplingParams, inputs: list[dict[str, Any]], request_id: str,
     extra: dict[str, Any],
-) -> AsyncIterator[tuple[int, RequestOutput]]:
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """(prompt index, output) of every prompt's generation, as they arrive."""
     if len(inputs) == 1:
         async for out in llm.generate(params, request_id=request_id, **inputs[0], **extra):
@@ -117,7 +117,7 @@ class _Stream:
         usage = f"data: {self.head}],\"usage\":{shapes.dumps(self.total_usage())}}}\n\n".encode()
         return (usage if self.include_usage else b"") + shapes.DONE
 
-    async def run(self, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    async def run(self, events: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
         """``events`` then the final usage and [DONE]; failures before the first event
         propagate, later ones become an error event."""
         started = False
@@ -132,14 +132,14 @@ class _Stream:
             yield shapes.DONE
             return
         finally:
-            await events.aclose()  # type: ignore[attr-defined]
+            await events.aclose()
         yield self.final()
 
 
 # ---- /v1/completions ------------------------------------------------------------------------
 
 
-async def completions(call: Call, req: CompletionRequest) -> dict[str, Any] | AsyncIterator[bytes]:
+async def completions(call: Call, req: CompletionRequest) -> dict[str, Any] | AsyncGenerator[bytes, None]:
     req.check()
     params = req.sampling_params(call.llm.sampling_defaults)
     if req.echo and req.logprobs is not None:
@@ -194,8 +194,8 @@ def _completion_choice(
 
 async def _completion_events(
     call: Call, req: CompletionRequest, params: SamplingParams, stream: _Stream,
-    outputs: AsyncIterator[tuple[int, RequestOutput]],
-) -> AsyncIterator[bytes]:
+    outputs: AsyncGenerator[tuple[int, RequestOutput], None],
+) -> AsyncGenerator[bytes, None]:
     n = params.n
     seen: set[int] = set()  # choices that sent their first chunk (echo goes there)
     builders: dict[int, shapes.CompletionLogprobs] = {}
@@ -223,12 +223,12 @@ async def _completion_events(
                     extra = f',"prompt_token_ids":{shapes.dumps(out.prompt_token_ids)}'
                 yield stream.chunk(choice, extra)
     finally:
-        await outputs.aclose()  # type: ignore[attr-defined]
+        await outputs.aclose()
 
 
 async def _completion_response(
     call: Call, req: CompletionRequest, request_id: str,
-    outputs: AsyncIterator[tuple[int, RequestOutput]],
+    outputs: AsyncGenerator[tuple[int, RequestOutput], None],
 ) -> dict[str, Any]:
     finals: dict[int, RequestOutput] = {}
     async for p, out in outputs:
@@ -264,7 +264,7 @@ async def _completion_response(
 # ---- /v1/chat/completions -------------------------------------------------------------------
 
 
-async def chat(call: Call, req: ChatCompletionRequest) -> dict[str, Any] | AsyncIterator[bytes]:
+async def chat(call: Call, req: ChatCompletionRequest) -> dict[str, Any] | AsyncGenerator[bytes, None]:
     req.check()
     params = req.sampling_params(call.llm.sampling_defaults)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -287,8 +287,8 @@ def _chat_logprobs(call: Call, req: ChatCompletionRequest, c: CompletionOutput) 
 
 async def _chat_events(
     call: Call, req: ChatCompletionRequest, params: SamplingParams, stream: _Stream,
-    outputs: AsyncIterator[tuple[int, RequestOutput]],
-) -> AsyncIterator[bytes]:
+    outputs: AsyncGenerator[tuple[int, RequestOutput], None],
+) -> AsyncGenerator[bytes, None]:
     first = True
     try:
         async for _, out in outputs:
@@ -318,12 +318,12 @@ async def _chat_events(
                     choice["token_ids"] = list(c.token_ids)
                 yield stream.chunk(choice)
     finally:
-        await outputs.aclose()  # type: ignore[attr-defined]
+        await outputs.aclose()
 
 
 async def _chat_response(
     call: Call, req: ChatCompletionRequest, request_id: str,
-    outputs: AsyncIterator[tuple[int, RequestOutput]],
+    outputs: AsyncGenerator[tuple[int, RequestOutput], None],
 ) -> dict[str, Any]:
     final: RequestOutput | None = None
     async for _, out in outputs:

@@ -1,13 +1,18 @@
-"""Sampling parameters of one request, and their validation."""
+"""Sampling parameters of one request, its structured-output constraint, and their validation.
+
+``InvalidRequestError`` is the error of every request field (this package's other
+modules raise it too). ``StructuredOutputsParams`` lives here, beside the
+``SamplingParams`` that holds one, because both raise that error and the holder checks
+the constraint's type: one module, no import circle. ``tandem.protocol.structured_output``
+is its public name for importers.
+"""
 
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from tandem.protocol.structured_output import StructuredOutputsParams
+from typing import Any
 
 
 class InvalidRequestError(ValueError):
@@ -156,8 +161,6 @@ class SamplingParams:
         if not isinstance(self.output_kind, RequestOutputKind):
             raise InvalidRequestError("output_kind", self.output_kind, "unknown output kind")
         if self.structured_outputs is not None:
-            from tandem.protocol.structured_output import StructuredOutputsParams
-
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise InvalidRequestError(
                     "structured_outputs", self.structured_outputs, "must be StructuredOutputsParams"
@@ -206,7 +209,6 @@ class SamplingDefaults:
     @classmethod
     def from_model_dir(cls, model_dir: str) -> SamplingDefaults:
         """The settings in ``model_dir/generation_config.json`` (none if it has no such file)."""
-        import json
         import os
 
         path = os.path.join(model_dir, "generation_config.json")
@@ -228,3 +230,114 @@ class SamplingDefaults:
 
     def as_dict(self) -> dict[str, float | int]:
         return {name: getattr(self, name) for name in self.FIELDS if getattr(self, name) is not None}
+
+
+# ---- structured outputs ------------------------------------------------------------------
+
+# The kinds, in the order vLLM documents them; each is a field of StructuredOutputsParams.
+KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+MAX_CONSTRAINT_CHARS = 1 << 20  # a constraint's text (schema, regex, grammar) at most 1 MiB
+MAX_CHOICES = 4096
+
+
+@dataclass
+class StructuredOutputsParams:
+    """At most one constraint kind is set.
+
+    ``json``: a JSON schema, as text or as a parsed object; ``regex``: the output
+    matches it in full; ``choice``: the output is one of these strings; ``grammar``: an
+    EBNF / GBNF (or Lark) grammar; ``json_object``: any JSON object;
+    ``structural_tag``: vLLM's structural-tag JSON (free text with tagged, schema-bound
+    regions).
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    # JSON output without whitespace between its tokens (vLLM's name).
+    disable_any_whitespace: bool = False
+
+    @property
+    def kind(self) -> str:
+        """The one kind that is set (validate() first)."""
+        for name in KINDS:
+            value = getattr(self, name)
+            if value is not None and value is not False:
+                return name
+        raise InvalidRequestError("structured_outputs", None, "no constraint is set")
+
+    @property
+    def field_name(self) -> str:
+        """The field a client names to fix this constraint."""
+        return f"structured_outputs.{self.kind}"
+
+    def spec(self) -> str:
+        """The constraint's text: what is compiled, and (with the kind) the cache key."""
+        kind = self.kind
+        value = getattr(self, kind)
+        if kind == "json":
+            return value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+        if kind == "choice":
+            return json.dumps(value)
+        if kind == "json_object":
+            return ""
+        return value
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """Cache key of the compiled constraint."""
+        return (self.kind, self.spec(), self.disable_any_whitespace)
+
+    def validate(self) -> None:
+        """Raise InvalidRequestError naming the field: exactly one kind, right types."""
+        set_kinds = [
+            name for name in KINDS if getattr(self, name) is not None and getattr(self, name) is not False
+        ]
+        if len(set_kinds) != 1:
+            shown = ", ".join(set_kinds) or "none"
+            raise InvalidRequestError(
+                "structured_outputs", shown, f"set exactly one of {', '.join(KINDS)}"
+            )
+        kind = set_kinds[0]
+        field = f"structured_outputs.{kind}"
+        value = getattr(self, kind)
+        if kind == "json":
+            if isinstance(value, str):
+                try:
+                    parsed = json.loads(value)
+                except ValueError as exc:
+                    raise InvalidRequestError(field, value, f"not valid JSON: {exc}") from None
+            else:
+                parsed = value
+            if not isinstance(parsed, dict | bool):
+                raise InvalidRequestError(field, value, "a JSON schema is an object (or a boolean)")
+        elif kind == "json_object":
+            if value is not True:
+                raise InvalidRequestError(field, value, "must be true when set")
+        elif kind == "choice":
+            if not isinstance(value, list) or not value:
+                raise InvalidRequestError(field, value, "must be a non-empty list of strings")
+            if len(value) > MAX_CHOICES:
+                raise InvalidRequestError(field, f"<{len(value)} choices>", f"at most {MAX_CHOICES}")
+            if any(not isinstance(c, str) or not c for c in value):
+                raise InvalidRequestError(field, value, "every choice must be a non-empty string")
+        elif not isinstance(value, str) or not value.strip():
+            raise InvalidRequestError(field, value, "must be a non-empty string")
+        if len(self.spec()) > MAX_CONSTRAINT_CHARS:
+            raise InvalidRequestError(
+                field, f"<{len(self.spec())} characters>", f"at most {MAX_CONSTRAINT_CHARS} characters"
+            )
+        if kind == "structural_tag":
+            try:
+                parsed = json.loads(value)
+            except ValueError as exc:
+                raise InvalidRequestError(field, value, f"not valid JSON: {exc}") from None
+            if not isinstance(parsed, dict):
+                raise InvalidRequestError(field, value, "a structural tag is a JSON object")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise InvalidRequestError(
+                "structured_outputs.disable_any_whitespace", self.disable_any_whitespace, "must be a boolean"
+            )
