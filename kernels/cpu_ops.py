@@ -10,8 +10,8 @@ CPU argmax is not vectorized). Prefill attention (float32, 16-token blocks) is a
 flash-style loop over the paged cache in place; other dtypes take the reference (SDPA).
 Inputs outside a native kernel's layout or dtype contract take the reference.
 
-The C++ source is compiled on first use with ``torch.utils.cpp_extension`` (about half
-a minute on 2 cores; needs a C++ compiler and ``ninja``) into torch's extension cache
+The C++ source is compiled on first use with ``torch.utils.cpp_extension`` (a slow
+first start; needs a C++ compiler and ``ninja``) into torch's extension cache
 (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and loaded from there
 afterwards. ``native_available()`` says whether that worked; the engine falls back to
 the ``torch`` backend when it did not. Concurrent first uses (test workers, engines
@@ -83,7 +83,8 @@ def cpu_isa() -> str:
         raise ValueError(f"TANDEM_CPU_ISA must be one of {', '.join(_ISA_FLAGS)}, got {isa!r}")
     return isa
 # How long a process waits for another's build of the same extension before giving up
-# (and running the PyTorch reference). A cold build is ~30 s on 2 idle cores.
+# (and running the PyTorch reference): far longer than a cold build takes, so that only a
+# stuck builder runs it out.
 _BUILD_WAIT_S = 900.0
 
 

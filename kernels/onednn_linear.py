@@ -1,13 +1,13 @@
 """CPU linear layers through oneDNN with weights reordered once at load time.
 
 ``F.linear`` on CPU goes to the BLAS torch was built with (MKL). On this project's AMD
-EPYC test machine MKL's fp32 GEMM reaches ~180 GFLOP/s on 2 cores, while oneDNN's
-matmul on a weight reordered into its blocked layout reaches ~430 GFLOP/s at every
-batch size from 8 to 2048 rows (``benchmarks/NOTES.md``). The reorder is done once:
-the packed weight is an opaque ``mkldnn`` tensor that only ``packed_linear`` reads.
+EPYC test machine oneDNN's matmul on a weight reordered into its blocked layout ran well
+ahead of MKL's fp32 GEMM at every batch size from 8 to 2048 rows (``benchmarks/NOTES.md``
+has the figures). The reorder is done once: the packed weight is an opaque ``mkldnn``
+tensor that only ``packed_linear`` reads.
 
-The first call with a new number of rows builds a oneDNN primitive (~0.5 ms); oneDNN
-keeps it in its primitive cache afterwards.
+The first call with a new number of rows builds a oneDNN primitive; oneDNN keeps it in
+its primitive cache afterwards, so only the first call of a shape pays for it.
 
 oneDNN's bf16 path needs the ISA for it (AVX-512 BW/VL/DQ or AVX-NE-CONVERT on x86):
 ``cpu_supports`` asks torch the same question ``mkldnn_reorder_linear_weight`` asks

@@ -163,8 +163,8 @@ class PanelArena:
     weight's scale is streamed with its panels: a sixteenth of their bytes at group 32).
 
     A decode step streams every weight once; with 4 KiB pages that is a TLB miss every
-    4 KiB (measured on a Zen 3 EPYC: 30 layers of bench-135m at batch 1, 20.1-21.1 ->
-    18.4-19.8 ms). One buffer rather than one per weight: huge pages round each
+    4 KiB, which huge pages avoid (the decode time it saved: benchmarks/NOTES.md). One
+    buffer rather than one per weight: huge pages round each
     allocation up to 2 MiB. The buffer's pages are touched only as panels are placed, so
     packing weight by weight and placing each at once holds about one copy of the model.
     """
@@ -260,21 +260,19 @@ def unpack_panels(weight: PanelWeight) -> torch.Tensor:
 # Rows of x from which a product goes through torch's GEMM on a transient [N, K] float32
 # copy of the weight (``unpack_panels``; int8 dequantized, x then not rounded to 16 bits)
 # instead of the panel kernel, where the build's kernel is behind torch.mm on
-# prefill-sized products. Measured on a 2-core Zen 3 (AVX2), bench-135m, a whole prefill
-# step with the two paths alternated step by step in one process:
-# - float32, AVX2's hand-scheduled loop: the kernel is ahead at every row count (2048
-#   rows 3.88 -> 3.53 s against torch.mm, 512 rows 1.16 -> 0.93 s): no threshold while
-#   K <= GEMM_MIN_K. The kernel does not block k, and past that it falls behind on many
-#   rows (one product, N = 2048: K = 2048 level, 135 vs 141 GFLOP/s at 512 rows; K =
-#   4096 100 vs 132). (The compiled loop before it was behind from 512 rows at every K:
-#   2048 rows 4.19 s vs torch.mm's 3.59 s.)
+# prefill-sized products. Decided on a 2-core Zen 3 (AVX2), bench-135m, a whole prefill
+# step with the two paths alternated step by step in one process (the timings:
+# benchmarks/NOTES.md):
+# - float32, AVX2's hand-scheduled loop: the kernel is ahead at every row count, so no
+#   threshold while K <= GEMM_MIN_K. The kernel does not block k, and past that it falls
+#   behind on many rows (one product, N = 2048, 512 rows: level at K = 2048, behind at
+#   K = 4096).
+#   (The compiled loop before it was behind from 512 rows at every K.)
 # - int8 on AVX2, since its tiles run dequantized through the float loop from 16 rows:
-#   the kernel is ahead too (2048 rows 3.78 s through torch.mm -> 3.41 s): the same rule.
-#   (The int8 loop before it was behind: 2048 rows 4.43 -> 3.98 s through torch.mm.)
+#   the kernel is ahead too, so the same rule. (The int8 loop before it was behind.)
 # - AVX-512 builds (compiled loop): oneDNN / torch.mm level or ahead at 2048 rows on the
 #   machines of earlier notes; portable builds: the compiled loop.
-# The copy is one pass over the weight: 0.5-2 ms for those shapes, against 15-55 ms for
-# the product at 2048 rows.
+# The copy is one pass over the weight, small against the product it serves.
 GEMM_MIN_ROWS = 512
 GEMM_MIN_K = 2048
 
@@ -338,13 +336,13 @@ def panel_linear_argmax(
     return tokens
 
 
-# Greedy screen (``panel_linear_argmax_screened``). Rows up to which it pays: on a 2-core
-# Zen 3 (AVX2), a 49152 x 576 LM head, full float32 argmax vs screened: 4.3 vs 1.5 ms at 1
-# row, 4.2 vs 2.8 at 4, 6.2 vs 4.8 at 8; the int8 kernel's work grows with the rows, the
-# float32 one's hardly does below a register block.
+# Greedy screen (``panel_linear_argmax_screened``). Rows up to which it pays (measured on a
+# 2-core Zen 3, AVX2, on a 49152 x 576 LM head: benchmarks/NOTES.md): its gain shrinks as
+# rows are added, since the int8 kernel's work grows with the rows and the float32 one's
+# hardly does below a register block.
 SCREEN_MAX_ROWS = 8
 # Candidate tiles (32 columns each) past which a row takes the full float32 argmax: each
-# costs ~3-6 us to recompute against the ~3 ms the screen saves on such a head.
+# costs little to recompute against what the screen saves on such a head.
 SCREEN_MAX_TILES = 64
 
 

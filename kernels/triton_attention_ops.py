@@ -62,8 +62,8 @@ def _attention_num_warps(block_m: int, head_dim: int, compute_f32: bool) -> int:
 
 # The split-KV rule (flash-decoding; kernels/triton_attention.py). On a decode-only batch
 # the unified kernel runs num_seqs * num_kv_heads programs, each over a whole context: 8
-# programs for an H100/H200's 132 SMs at batch 1 on Llama-3.2-1B (6.8 us a layer on an
-# H200, benchmarks/NOTES.md). So a batch takes the split path when
+# programs for an H100/H200's 132 SMs at batch 1 on Llama-3.2-1B, most of the GPU idle
+# (its time a layer: benchmarks/NOTES.md). So a batch takes the split path when
 #   - it is decode-only: num_tokens <= num_seqs (one token per sequence; a batch with
 #     empty sequences, so that another may hold several tokens, still comes out right), and
 #   - the unified grid leaves at least half the SMs idle: 2 * num_seqs * num_kv_heads <= SMs

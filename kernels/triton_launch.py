@@ -71,8 +71,8 @@ class PlanCache:
 
     The layers of a step call each op on tensors of one layout (their own weights and
     caches), so the checks and the plan of the first call hold for the rest: a hit only
-    launches with the new tensors (~40 us of checks per attention call saved, x layers x
-    steps). Entries keep no tensor; the cache is emptied at ``max_entries``."""
+    launches with the new tensors, and the checks are saved on every call after the first
+    (x layers x steps). Entries keep no tensor; the cache is emptied at ``max_entries``."""
 
     def __init__(self, max_entries: int = 4096) -> None:
         self.max_entries = max_entries

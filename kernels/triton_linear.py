@@ -3,8 +3,8 @@ at most ``MAX_ROWS`` rows of ``x``.
 
 With one to eight rows a projection is a read of its weight and little else, and the
 tile shapes a BLAS picks for matrices leave the small ones short of the memory's
-bandwidth: on a lent H200 a 1B model's qkv and o_proj (8-13 MB) ran at 35-50% of it and
-down_proj at 62% (benchmarks/NOTES.md). Here each program owns ``BLOCK_N`` whole weight
+bandwidth, as a lent H200 showed for a 1B model's qkv, o_proj and down_proj
+(benchmarks/NOTES.md). Here each program owns ``BLOCK_N`` whole weight
 rows and walks them ``BLOCK_K`` columns at a time; the grid has several programs per SM
 so that enough loads are in flight. Every output is one program's float32 sum in a fixed
 order: deterministic, no split-K atomics, and each row of ``x`` independent of the others.
