@@ -20,9 +20,12 @@ import torch
 from engine_service.config import ConfigError, EngineConfig
 from engine_service.core import EngineCore
 from engine_service.distributed.sharding import ShardPlan
+from engine_service.engine_step import SyncStep
 from engine_service.kv_cache.manager import KVCacheManager
 from engine_service.make_model import make_model
 from engine_service.scheduler import Scheduler
+from engine_service.step_observer import StepObserver
+from engine_service.step_outputs import StepOutputs
 from tandem.protocol.model_config import ModelConfig
 from tandem.protocol.outputs import EngineCoreRequest
 from tandem.protocol.pooling_params import PoolingParams
@@ -106,6 +109,11 @@ def _reconfigure(core: EngineCore, max_num_batched_tokens: int, num_blocks: int,
         core.kv_manager, max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=core.max_model_len, policy="fcfs", enable_chunked_prefill=True,
     )
+    # The step's parts read the scheduler they were built with: rebuilt over the new one.
+    execution = core.engine_step.execution
+    execution.observer = core.observer = StepObserver(core.scheduler, core.admission.drain_rate)
+    core.outputs = StepOutputs(core.scheduler, core.engine_index)
+    core.engine_step = SyncStep(core.scheduler, execution, core.outputs)
     recorder = LogitRecorder(core.runner.sampler)
     core.runner.sampler = recorder  # type: ignore[assignment]
     # Logits on every step for the comparison: no LM-head argmax without them on TP=1.
