@@ -16,7 +16,6 @@ import time
 from collections.abc import Collection
 
 from engine_service.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from tandem.protocol.outputs import FinishReason
 
 __all__ = ["AsyncScheduler"]
 
@@ -50,12 +49,7 @@ class AsyncScheduler(Scheduler):
             request = entry.request
             if not self.current(entry):
                 continue
-            if request.times.first_token is None:
-                request.times.prefill_chunks.append((self._step_start, now, entry.num_new_tokens))
-            if request.request_id in pooled:
-                request.times.first_token = now
-                self._num_prompt_tokens += request.num_prompt_tokens
-                self.lifecycle.finish(request, FinishReason.STOP, now)
+            if self._pooled_or_chunk(entry, pooled, now):
                 continue
             token = sampled.get(request.request_id)
             if token is None:

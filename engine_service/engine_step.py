@@ -112,16 +112,17 @@ class AsyncStep:
     def step(self) -> EngineCoreOutputs:
         if not self._ready:
             sched = self.scheduler.schedule()  # counted as computed, placeholders for its tokens
-            if not self.execution.runner.pipelinable(sched):
+            pipelinable = self.execution.runner.pipelinable(sched)
+            if not pipelinable:
                 self._complete_in_flight()  # this step reads their tokens on the host
                 sched = self.scheduler.without_ended(sched)
-            self._complete_in_flight(then=self._launch(sched))  # the previous step, while this one runs
+            self._complete_in_flight(then=self._launch(sched, pipelinable))  # the previous, while this runs
         return self._ready.popleft() if self._ready else self.outputs.empty()
 
-    def _launch(self, sched: SchedulerOutput) -> tuple[SchedulerOutput, InFlight] | None:
+    def _launch(self, sched: SchedulerOutput, pipelinable: bool) -> tuple[SchedulerOutput, InFlight] | None:
         """``sched`` on the device, taking the in-flight step's tokens there; a step that
         cannot be pipelined runs to the end now (None)."""
-        if self.execution.runner.pipelinable(sched):
+        if pipelinable:
             previous = self._in_flight[1] if self._in_flight is not None else None
             return sched, self.execution.launch(sched, previous)
         if not (sched.is_empty and self._ready):  # an empty step after a completed one: nothing to say

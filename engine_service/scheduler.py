@@ -349,19 +349,27 @@ class Scheduler:
         now = time.monotonic()
         for entry in out.scheduled:
             request = entry.request
-            if request.times.first_token is None:  # the first prefill, chunk by chunk
-                request.times.prefill_chunks.append((self._step_start, now, entry.num_new_tokens))
             request.num_computed_tokens += entry.num_new_tokens
             self.kv.cache_blocks(request)
-            if request.request_id in pooled:
-                request.times.first_token = now
-                self._num_prompt_tokens += request.num_prompt_tokens
-                self.lifecycle.finish(request, FinishReason.STOP, now)
+            if self._pooled_or_chunk(entry, pooled, now):
                 continue
             token = sampled.get(request.request_id)
             if token is not None:
                 request.append_output_token(token)
                 self._after_token(request, token, now)
+
+    def _pooled_or_chunk(self, entry: ScheduledRequest, pooled: Collection[str], now: float) -> bool:
+        """Record a first-prefill chunk's times; finish a pooling request whose vector
+        this step completed (True: it is done)."""
+        request = entry.request
+        if request.times.first_token is None:  # the first prefill, chunk by chunk
+            request.times.prefill_chunks.append((self._step_start, now, entry.num_new_tokens))
+        if request.request_id not in pooled:
+            return False
+        request.times.first_token = now
+        self._num_prompt_tokens += request.num_prompt_tokens
+        self.lifecycle.finish(request, FinishReason.STOP, now)
+        return True
 
     def _after_token(self, request: Request, token: int, now: float) -> None:
         """Count a token appended to ``request`` and end the request if it stops there."""
