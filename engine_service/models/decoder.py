@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_service.attention import AttentionMetadata
-from engine_service.models.quantized import Q8_0_GROUP, QuantizedRows
+from engine_service.models.quantized import Q8_0_GROUP, Int4Rows, QuantizedRows
 from engine_service.models.rotary import build_cos_sin_cache
 from kernels.dispatch import KernelOps
 from kernels.onednn_linear import pack_weight, packed_linear
@@ -255,6 +255,8 @@ class DecoderForCausalLM(nn.Module):
         # Parameter name -> (row_start, rows) of checkpoint matrices stored as int8 with group
         # scales (GGUF Q8_0), set by the loader: pack_linears packs them as they are.
         self.int8_rows: dict[str, list[tuple[int, QuantizedRows]]] = {}
+        # The same for 4-bit matrices (quantized.Int4Rows): GGUF Q4_*, GPTQ, AWQ.
+        self.int4_rows: dict[str, list[tuple[int, Int4Rows]]] = {}
         # float32 panel LM head: its int8 screen for greedy steps (see greedy_tokens)
         self.lm_head_screen: ArgmaxScreen | None = None
         # Decode-only steps run every layer in one native call when all linear layers are

@@ -20,7 +20,7 @@ from safetensors import safe_open
 from engine_service.models.checkpoint_map import WeightTarget, weight_targets
 from engine_service.models.decoder import DecoderForCausalLM
 from engine_service.models.gguf_weights import gguf_entries
-from engine_service.models.quantized import QuantizedRows
+from engine_service.models.quantized import Int4Rows, QuantizedRows
 from kernels.dispatch import KernelOps
 from tandem.gguf_metadata import read_pointer
 from tandem.protocol.model_config import ModelConfig, ModelLoadError
@@ -73,6 +73,8 @@ class WeightLoader:
         # Parameter name -> (row_start, int8 rows with group scales) of each checkpoint tensor
         # read as stored (GGUF Q8_0): the model packs those rows as they are.
         self.int8_rows: dict[str, list[tuple[int, QuantizedRows]]] = {}
+        # The same for 4-bit matrices (GGUF Q4_*, GPTQ, AWQ), in their common form.
+        self.int4_rows: dict[str, list[tuple[int, Int4Rows]]] = {}
         # Some tied checkpoints also store a copy of the embedding as lm_head.weight.
         self._skip_lm_head = config.tie_word_embeddings
         for name, target in self._targets.items():
@@ -108,6 +110,9 @@ class WeightLoader:
             if isinstance(tensor, QuantizedRows):
                 self.int8_rows.setdefault(target.param, []).append((target.row_start, tensor))
                 tensor = tensor.dequantize()  # the dense copy: until packing drops it, and embeddings
+            elif isinstance(tensor, Int4Rows):
+                self.int4_rows.setdefault(target.param, []).append((target.row_start, tensor))
+                tensor = tensor.dequantize()
             rows.copy_(tensor)  # casts to the parameter's dtype and device
             self._loaded_from[name] = source
 
@@ -201,4 +206,5 @@ def load_model(
     loader = WeightLoader(model, config)
     load_weights(loader, model_dir, config, keep_int8)
     model.int8_rows = loader.int8_rows
+    model.int4_rows = loader.int4_rows
     return model.eval(), config

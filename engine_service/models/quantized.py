@@ -26,3 +26,54 @@ class QuantizedRows:
 
     def rows(self, index: torch.Tensor) -> QuantizedRows:
         return QuantizedRows(self.values[index].contiguous(), self.scales[index].contiguous())
+
+
+@dataclass(frozen=True)
+class Int4Rows:
+    """A 4-bit matrix in the one form every 4-bit format is converted to (GGUF Q4_0, Q4_1
+    and Q4_K; GPTQ; AWQ), as the loader hands it to the model.
+
+    - ``codes``: uint8 ``[N, K / 2]``, two unsigned 4-bit codes a byte: column ``2j`` in
+      the low nibble, ``2j + 1`` in the high one.
+    - ``scales``, ``mins``: float32 ``[N, K / group]``.
+    - the weight is ``codes[n, k] * scales[n, k // group] + mins[n, k // group]``
+      (Q4_0: ``mins = -8 * scales``; GPTQ/AWQ: ``mins = -scales * zeros``).
+    - ``perm``: int64 ``[K]`` or None. With it the matrix above is the checkpoint's weight
+      with its input columns reordered (GPTQ act-order sorted by group):
+      ``y = x[:, perm] @ weight.T``; ``dequantize`` returns the checkpoint's own order.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+    group: int
+    perm: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.codes.shape[1] * 2
+
+    def unpacked(self) -> torch.Tensor:
+        """uint8 ``[N, K]`` codes, one a byte."""
+        low = self.codes & 0x0F
+        high = self.codes >> 4
+        return torch.stack((low, high), dim=-1).reshape(self.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 ``[N, K]`` in the checkpoint's column order."""
+        weight = self.unpacked().float() * self.scales.repeat_interleave(self.group, dim=1)
+        weight += self.mins.repeat_interleave(self.group, dim=1)
+        if self.perm is None:
+            return weight
+        out = torch.empty_like(weight)
+        out[:, self.perm] = weight
+        return out
+
+    def rows(self, index: torch.Tensor) -> Int4Rows:
+        return Int4Rows(
+            self.codes[index].contiguous(),
+            self.scales[index].contiguous(),
+            self.mins[index].contiguous(),
+            self.group,
+            self.perm,
+        )
