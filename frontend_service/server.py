@@ -40,7 +40,12 @@ from frontend_service.migration import (
     add_migration_cli,
     migration_config_from_args,
 )
-from frontend_service.openai import add_http_port_cli
+from frontend_service.openai import (
+    ChatParsing,
+    add_chat_parsing_cli,
+    add_http_port_cli,
+    chat_parsing_from_args,
+)
 from frontend_service.placement import PlacementConfig, PlacementPolicy
 from frontend_service.servicer import GenerationServicer
 from tandem import telemetry
@@ -100,6 +105,8 @@ class FrontendConfig:
     health_port: int = 0  # plain-text grpc.health.v1 alone on host:health_port; 0: off
     metrics_port: int = 0  # Prometheus /metrics on host:metrics_port; 0: off
     http_port: int = 0  # the OpenAI-compatible HTTP API on host:http_port; 0: off (the CLI's default: 8080)
+    # How the HTTP API reads chat output: --tool-call-parser, --reasoning-parser.
+    chat_parsing: ChatParsing = field(default_factory=ChatParsing)
     security: ServerSecurity = field(default_factory=ServerSecurity)  # public TLS, admin token and port
     engine_channel: EngineChannelSecurity = field(default_factory=EngineChannelSecurity)  # TLS, token to engines
     # Requests admitted and not finished beyond which Generate answers RESOURCE_EXHAUSTED
@@ -226,7 +233,8 @@ async def _serve_frontend(
         def http_ready() -> bool:  # readiness as grpc.health.v1 reports it
             return "llm" in holder and not servicer.draining and group.any_alive
 
-        view = FrontendView(servicer, config.model, http_ready, registry, api_keys=config.security.api_keys)
+        view = FrontendView(servicer, config.model, http_ready, registry, api_keys=config.security.api_keys,
+                            chat_parsing=config.chat_parsing)
         try:
             http = HttpServer(view, config.host, config.http_port, config.security.tls, config.reuse_port)
         except BaseException:
@@ -422,6 +430,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
     )
     telemetry.add_metrics_cli(p, default_port=8000)
     add_http_port_cli(p)
+    add_chat_parsing_cli(p)
     add_health_port_cli(p)
     add_server_security_cli(p, engine=False)
     add_engine_channel_cli(p)
@@ -463,6 +472,7 @@ def config_from_args(args: argparse.Namespace) -> FrontendConfig:
         load_timeout=args.load_timeout,
         metrics_port=args.metrics_port,
         http_port=args.http_port,
+        chat_parsing=chat_parsing_from_args(args),
         health_port=args.health_port,
         security=server_security_from_args(args, engine=False),
         engine_channel=engine_channel_from_args(args),

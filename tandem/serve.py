@@ -27,7 +27,7 @@ from frontend_service.engine_client import (
     output_flow_from_args,
 )
 from frontend_service.migration import add_migration_cli, migration_config_from_args
-from frontend_service.openai import add_http_port_cli
+from frontend_service.openai import add_chat_parsing_cli, add_http_port_cli, chat_parsing_from_args
 from tandem import ports, telemetry
 from tandem.argtypes import positive_int
 from tandem.errors import StartError, UsageError
@@ -110,6 +110,7 @@ def add_cli(sub: argparse._SubParsersAction) -> None:
                    help="Longest wait before restarting an engine (env TANDEM_RESTART_BACKOFF_MAX).")
     telemetry.add_metrics_cli(p, default_port=8000)
     add_http_port_cli(p)
+    add_chat_parsing_cli(p)
     add_migration_cli(p)
     add_output_flow_cli(p)
     p.add_argument("--engine-metrics-base-port", type=int,
@@ -194,7 +195,7 @@ def frontend_processes(args: argparse.Namespace, model: str, engines: list[str])
                 "--generation-config", args.generation_config,
                 "--engine-output-window", str(args.engine_output_window),
                 "--engine-output-interval-ms", str(args.engine_output_interval_ms),
-                "--stream-interval", str(args.stream_interval)]
+                "--stream-interval", str(args.stream_interval), *chat_parsing_from_args(args).argv()]
         if args.prefill_engines:
             argv.append("--disaggregated")
         children.append(EngineProcess(i, f"{host}:{health_port}", argv, env, kind="frontend"))
@@ -293,7 +294,7 @@ async def _serve(
                             engines=addresses, host=args.host, port=args.port,
                             connect_timeout=args.connect_timeout, load_timeout=args.load_timeout,
                             metrics_port=args.metrics_port,
-                            http_port=args.http_port,
+                            http_port=args.http_port, chat_parsing=chat_parsing_from_args(args),
                             security=ServerSecurity(TlsFiles(args.tls_cert, args.tls_key),
                                                     admin_token=args.admin_token, admin_port=admin_port,
                                                     api_keys=api_keys_from_args(args)),

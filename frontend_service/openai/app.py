@@ -36,7 +36,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from frontend_service.errors import retry_after_ms_for, status_for
-from frontend_service.openai import embeddings, serving, shapes
+from frontend_service.openai import ChatParsing, chat_tools, embeddings, serving, shapes
 from frontend_service.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -228,6 +228,7 @@ class FrontendView:
     registry: Any = None  # the frontend's prometheus CollectorRegistry (None: no /metrics)
     created: int = 0
     api_keys: ApiKeys = field(default_factory=ApiKeys)  # --api-key; none: the API is open
+    chat_parsing: ChatParsing = field(default_factory=ChatParsing)  # --tool-call-parser, --reasoning-parser
 
 
 def build_app(view: FrontendView) -> FastAPI:
@@ -266,7 +267,7 @@ def build_app(view: FrontendView) -> FastAPI:
         # A "model" naming a LoRA adapter the engines know runs with it (as vLLM does).
         lora = llm.loras.get(body.model) if body.model else None
         name = body.model if lora is not None else view.servicer.model_name
-        call = serving.Call(llm, name, trace or None, error_event, lora)
+        call = serving.Call(llm, name, trace or None, error_event, lora, view.chat_parsing)
         try:
             result = await until_disconnect(request.receive, handler(call, body))
         except ClientGoneError:
@@ -327,10 +328,17 @@ def build_app(view: FrontendView) -> FastAPI:
         if (body.prompt is None) == (body.messages is None):
             raise InvalidRequestError("prompt", None, "give exactly one of prompt, messages")
         messages = None
+        prompt, special = body.prompt, body.add_special_tokens
         if body.messages is not None:
             messages = ChatCompletionRequest(messages=body.messages).chat_messages()
+            if body.tools or body.chat_template_kwargs:  # rendered as chat completions render them
+                prompt = chat_tools.render_chat(
+                    llm.tokenizer, messages, chat_tools.check_tools(body.tools) or None,
+                    body.add_generation_prompt is not False, body.chat_template_kwargs or {},
+                )
+                messages, special = None, bool(special)
         _, ids = llm.input_processor.encode(
-            prompt=body.prompt, messages=messages, add_special_tokens=body.add_special_tokens,
+            prompt=prompt, messages=messages, add_special_tokens=special,
             add_generation_prompt=body.add_generation_prompt,
         )
         out: dict[str, Any] = {"count": len(ids), "max_model_len": view.servicer.info.max_model_len,

@@ -9,6 +9,7 @@ as vLLM does. Responses are plain dicts built in ``serving.py`` (cheaper per SSE
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any, Literal
 
@@ -79,8 +80,6 @@ class StructuredOutputs(BaseModel):
         )
 
     def to_params(self) -> StructuredOutputsParams:
-        import json
-
         tag = self.structural_tag
         return StructuredOutputsParams(
             json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar,
@@ -238,9 +237,16 @@ class ChatCompletionRequest(_SamplingBody):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
+    # Tool calling (chat_tools.py checks them): OpenAI's tool definitions, "none" /
+    # "auto" / "required" / {"type": "function", "function": {"name": ...}}.
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: StrictBool | None = None  # false: at most one call
     add_generation_prompt: StrictBool = True
+    # vLLM's extras: more chat-template variables (e.g. {"enable_thinking": false} for
+    # Qwen3); whether reasoning_content is returned (with a --reasoning-parser).
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: StrictBool = True
 
     def _max_tokens(self) -> int | None:
         # max_completion_tokens wins (OpenAI deprecated max_tokens); None: what fits.
@@ -256,14 +262,10 @@ class ChatCompletionRequest(_SamplingBody):
             raise InvalidRequestError("top_logprobs", top, f"must be in [0, {MAX_TOP_LOGPROBS}]")
         return top
 
-    def check(self) -> None:
-        if self.tools:
-            raise InvalidRequestError("tools", "...", "tools / function calling is not supported")
-        if self.tool_choice not in (None, "none"):
-            raise InvalidRequestError("tool_choice", self.tool_choice, "tools / function calling is not supported")
-
     def chat_messages(self) -> list[dict[str, Any]]:
-        """Messages with content parts ([{"type": "text", "text": ...}]) joined into text."""
+        """Messages with content parts ([{"type": "text", "text": ...}]) joined into text,
+        and the JSON ``arguments`` of an assistant's ``tool_calls`` as dicts (what chat
+        templates expect, as vLLM passes them)."""
         out = []
         for i, message in enumerate(self.messages):
             content = message.get("content")
@@ -276,10 +278,28 @@ class ChatCompletionRequest(_SamplingBody):
                         )
                     texts.append(str(part.get("text", "")))
                 message = {**message, "content": "\n".join(texts)}
-            elif content is None and message.get("role") == "assistant":
+            elif content is None and message.get("role") in ("assistant", "tool"):
                 message = {**message, "content": ""}
+            calls = message.get("tool_calls")
+            if message.get("role") == "assistant" and isinstance(calls, list):
+                message = {**message, "tool_calls": [_call_for_template(c) for c in calls]}
             out.append(message)
         return out
+
+
+def _call_for_template(call: Any) -> Any:
+    """A tool call of an assistant message, its JSON-text arguments parsed to a dict."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        return call
+    arguments = call["function"].get("arguments")
+    if isinstance(arguments, str):
+        try:
+            parsed = json.loads(arguments)
+        except ValueError:
+            return call
+        if isinstance(parsed, dict):
+            return {**call, "function": {**call["function"], "arguments": parsed}}
+    return call
 
 
 class TokenizeRequest(_Body):
@@ -291,6 +311,8 @@ class TokenizeRequest(_Body):
     add_special_tokens: StrictBool | None = None
     add_generation_prompt: StrictBool | None = None
     return_token_strs: StrictBool = False
+    tools: list[Any] | None = None  # with messages: rendered by the chat template, as in chat
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Body):

@@ -6,6 +6,11 @@ events (bytes). A stream raises its first failure before it has yielded anything
 last ``data: {"error": {...}}`` event, then ``data: [DONE]``. Closing the iterator (a
 client that went away) closes the AsyncLLM generators, which aborts the engine requests.
 
+Chat: ``chat_tools.ChatPlan`` says what a request does with ``tools`` and reasoning (the
+prompt it renders, the constraint of a forced tool choice); a ``ChoiceReader`` per choice
+turns the output into ``reasoning_content``, ``content`` and ``tool_calls``, streamed or
+whole. Without tools or a reasoning parser the text passes as generated.
+
 Choice indices: prompt ``p`` of a completions request with ``n`` samples gives choices
 ``p * n + i`` (vLLM's numbering); a request with several prompts runs them concurrently.
 """
@@ -17,16 +22,17 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from frontend_service.admission import RequestFailedError
 from frontend_service.async_llm import AsyncLLM
-from frontend_service.openai import shapes
+from frontend_service.openai import ChatParsing, chat_tools, shapes
+from frontend_service.openai.chat_tools import ChatPlan, ChoiceReader
 from frontend_service.openai.protocol import ChatCompletionRequest, CompletionRequest
 from frontend_service.outputs import CompletionOutput, RequestOutput, RequestUsage
 from tandem.protocol.outputs import ErrorCode, RequestError
-from tandem.protocol.sampling_params import SamplingParams
+from tandem.protocol.sampling_params import InvalidRequestError, SamplingParams
 
 ErrorEvent = Callable[[BaseException], bytes]  # app.py's in-stream error event
 
@@ -40,6 +46,7 @@ class Call:
     trace_headers: dict[str, str] | None
     error_event: ErrorEvent
     lora_request: Any = None  # the LoRARequest the body's "model" named; None: the base model
+    parsing: ChatParsing = field(default_factory=ChatParsing)  # --tool-call-parser, --reasoning-parser
 
 
 def _failed(c: CompletionOutput) -> None:
@@ -265,18 +272,36 @@ async def _completion_response(
 
 
 async def chat(call: Call, req: ChatCompletionRequest) -> dict[str, Any] | AsyncGenerator[bytes, None]:
-    req.check()
-    params = req.sampling_params(call.llm.sampling_defaults)
+    plan = chat_tools.plan_chat(req, call.llm.tokenizer, call.parsing)
+    params = plan.sampling_params(req.sampling_params(call.llm.sampling_defaults), req)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     extra = {"trace_headers": call.trace_headers, "priority": req.priority,
              "cache_salt": req.cache_salt, "add_generation_prompt": req.add_generation_prompt,
              "lora_request": call.lora_request}
-    inputs = [{"messages": req.chat_messages()}]
+    inputs = [_chat_input(call, req, plan)]
     outputs = _merged(call.llm, params, inputs, req.request_id or request_id, extra)
     if req.stream:
         stream = _Stream(call, request_id, "chat.completion.chunk", req.stream_options)
-        return stream.run(_chat_events(call, req, params, stream, outputs))
-    return await _chat_response(call, req, request_id, outputs)
+        return stream.run(_chat_events(call, req, params, stream, outputs, plan))
+    return await _chat_response(call, req, request_id, outputs, plan)
+
+
+def _chat_input(call: Call, req: ChatCompletionRequest, plan: ChatPlan) -> dict[str, Any]:
+    """The AsyncLLM input: the messages, or with tools or chat_template_kwargs the chat
+    template's text rendered here (the input processor's renderer passes neither)."""
+    messages = req.chat_messages()
+    if not plan.tools and not req.chat_template_kwargs:
+        return {"messages": messages}
+    text = chat_tools.render_chat(
+        call.llm.tokenizer, messages, plan.tools or None, req.add_generation_prompt, req.chat_template_kwargs or {}
+    )
+    limit = getattr(getattr(call.llm, "input_processor", None), "max_prompt_chars", None)
+    if isinstance(limit, int) and len(text) > limit:
+        raise InvalidRequestError(
+            "messages", f"<{len(text)} characters>", f"the rendered chat's {len(text)} characters are "
+            f"more than the model's context can hold ({limit} characters at most)",
+        )
+    return {"prompt": text, "add_special_tokens": False}  # the template wrote its special tokens
 
 
 def _chat_logprobs(call: Call, req: ChatCompletionRequest, c: CompletionOutput) -> dict[str, Any] | None:
@@ -287,9 +312,10 @@ def _chat_logprobs(call: Call, req: ChatCompletionRequest, c: CompletionOutput) 
 
 async def _chat_events(
     call: Call, req: ChatCompletionRequest, params: SamplingParams, stream: _Stream,
-    outputs: AsyncGenerator[tuple[int, RequestOutput], None],
+    outputs: AsyncGenerator[tuple[int, RequestOutput], None], plan: ChatPlan,
 ) -> AsyncGenerator[bytes, None]:
     first = True
+    readers: dict[int, ChoiceReader] = {}  # choice index -> its parsers' state
     try:
         async for _, out in outputs:
             stream.usage[0] = out.usage
@@ -304,13 +330,21 @@ async def _chat_events(
                     yield stream.chunk(role, extra if i == 0 else "")
             for c in out.outputs:
                 _failed(c)
-                if not (c.text or c.finish_reason or (req.return_token_ids and c.token_ids)):
+                delta: dict[str, Any] = {"content": c.text} if c.text else {}
+                finish = c.finish_reason
+                if plan.reads_output:
+                    reader = readers.get(c.index)
+                    if reader is None:
+                        reader = readers[c.index] = plan.reader(out.prompt)
+                    delta = reader.delta(c.text, c.finish_reason is not None)
+                    finish = reader.finish_reason(finish)
+                if not (delta or c.finish_reason or (req.return_token_ids and c.token_ids)):
                     continue
                 choice: dict[str, Any] = {
                     "index": c.index,
-                    "delta": {"content": c.text} if c.text else {},
+                    "delta": delta,
                     "logprobs": _chat_logprobs(call, req, c),
-                    "finish_reason": shapes.finish_reason(c.finish_reason),
+                    "finish_reason": shapes.finish_reason(finish),
                 }
                 if c.finish_reason is not None:
                     choice["stop_reason"] = c.stop_reason
@@ -323,7 +357,7 @@ async def _chat_events(
 
 async def _chat_response(
     call: Call, req: ChatCompletionRequest, request_id: str,
-    outputs: AsyncGenerator[tuple[int, RequestOutput], None],
+    outputs: AsyncGenerator[tuple[int, RequestOutput], None], plan: ChatPlan,
 ) -> dict[str, Any]:
     final: RequestOutput | None = None
     async for _, out in outputs:
@@ -332,11 +366,17 @@ async def _chat_response(
     choices = []
     for c in final.outputs:
         _failed(c)
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        finish = c.finish_reason
+        if plan.reads_output:
+            reader = plan.reader(final.prompt)
+            message = reader.message(c.text)
+            finish = reader.finish_reason(finish)
         choice: dict[str, Any] = {
             "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
+            "message": message,
             "logprobs": _chat_logprobs(call, req, c),
-            "finish_reason": shapes.finish_reason(c.finish_reason),
+            "finish_reason": shapes.finish_reason(finish),
             "stop_reason": c.stop_reason,
         }
         if req.return_token_ids:
