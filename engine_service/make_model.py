@@ -22,14 +22,28 @@ import torch
 from tandem.model_source import build_directory_once
 from tandem.model_source import cache_dir as model_cache_dir
 
-Arch = Literal["llama", "qwen2", "qwen3"]
+Arch = Literal[
+    "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"
+]
 PresetName = Literal["tiny", "hop", "demo", "bench-135m", "llama-1b"]
 
 ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
+# --arch -> transformers' model_type, where the two differ.
+_MODEL_TYPES = {"gemma3": "gemma3_text"}
+# Families whose norms multiply by (1 + w): their stored scales are drawn around 0.
+_OFFSET_NORMS = frozenset({"gemma2", "gemma3"})
 
 # Special tokens take the first ids, in this order.
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<|pad|>", "<|bos|>", "<|eos|>"
@@ -90,6 +104,8 @@ TINY_LLAMA3_ROPE: dict[str, Any] = {
 def _arch_settings(arch: str, preset_name: str, preset: Preset) -> dict[str, Any]:
     """Config fields that depend on the architecture (and on the preset for tiny ones)."""
     settings: dict[str, Any] = {}
+    if arch in _NEW_FAMILY_SETTINGS:
+        return _NEW_FAMILY_SETTINGS[arch](preset_name, preset)
     if arch == "llama":
         settings["rms_norm_eps"] = 1e-5
         settings["tie_word_embeddings"] = True
@@ -105,6 +121,121 @@ def _arch_settings(arch: str, preset_name: str, preset: Preset) -> dict[str, Any
     if arch == "qwen3":
         settings["head_dim"] = preset.qwen3_head_dim
     return settings
+
+
+# The sliding window of the tiny presets: small enough that the parity prompts (up to
+# 348 tokens) run far past it.
+TINY_WINDOW = 32
+
+
+def _window(preset_name: str) -> int:
+    return TINY_WINDOW if preset_name == "tiny" else 256
+
+
+def _mistral(preset_name: str, preset: Preset) -> dict[str, Any]:
+    return {
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": preset.rope_theta},
+        "sliding_window": _window(preset_name),
+    }
+
+
+def _gemma(arch: str) -> Any:
+    def settings(preset_name: str, preset: Preset) -> dict[str, Any]:
+        head_dim = preset.qwen3_head_dim
+        out: dict[str, Any] = {
+            "rms_norm_eps": 1e-6,
+            # Real Gemmas are tied; with random weights a tied head echoes the input token
+            # (its embedding, times sqrt(hidden), dominates the residual), so tiny ones are not.
+            "tie_word_embeddings": preset_name != "tiny",
+            "head_dim": head_dim,
+            "hidden_activation": "gelu_pytorch_tanh",
+            # Not head_dim, so the scale is checked for being the family's own.
+            "query_pre_attn_scalar": head_dim * 2,
+            "sliding_window": _window(preset_name),
+            # Sliding first, then full: both kinds whatever the depth.
+            "layer_types": [
+                "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(preset.num_layers)
+            ],
+        }
+        if arch == "gemma2":
+            out["attn_logit_softcapping"] = 50.0
+            out["final_logit_softcapping"] = 30.0
+            out["rope_parameters"] = {"rope_type": "default", "rope_theta": preset.rope_theta}
+        else:
+            out["rope_parameters"] = {
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": preset.rope_theta * 100},
+                "sliding_attention": {"rope_type": "default", "rope_theta": preset.rope_theta},
+            }
+        return out
+
+    return settings
+
+
+def _phi3(preset_name: str, preset: Preset) -> dict[str, Any]:
+    head_dim = preset.hidden_size // preset.num_heads
+    rotary = head_dim // 2  # partial_rotary_factor 0.5, as Phi-4-mini's 0.75 is partial
+    # LongRoPE, its original context above the tests' max_model_len (512): the short
+    # factors and the attention factor apply (the long ones: tests/test_families.py).
+    gen = random.Random(7)
+    return {
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "partial_rotary_factor": 0.5,
+        "sliding_window": None,
+        "original_max_position_embeddings": 512,
+        "rope_parameters": {
+            "rope_type": "longrope",
+            "rope_theta": preset.rope_theta,
+            "short_factor": [round(1 + gen.random(), 3) for _ in range(rotary // 2)],
+            "long_factor": [round(2 + 4 * gen.random(), 3) for _ in range(rotary // 2)],
+            "original_max_position_embeddings": 512,
+            "partial_rotary_factor": 0.5,
+        },
+    }
+
+
+def _moe(arch: str) -> Any:
+    def settings(preset_name: str, preset: Preset) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": preset.rope_theta},
+            "num_experts_per_tok": 2,
+        }
+        if arch == "mixtral":
+            out.update(num_local_experts=4, sliding_window=None)
+        elif arch == "olmoe":
+            out.update(num_experts=8, clip_qkv=2.0, norm_topk_prob=False)
+        else:  # qwen2_moe / qwen3_moe: an 8-expert MoE layer, then a dense one
+            out.update(
+                num_experts=8,
+                moe_intermediate_size=preset.intermediate_size // 2,
+                decoder_sparse_step=1,
+                mlp_only_layers=list(range(1, preset.num_layers, 2)),
+                use_sliding_window=False,
+                norm_topk_prob=arch == "qwen3_moe",
+            )
+            if arch == "qwen2_moe":
+                out["shared_expert_intermediate_size"] = preset.intermediate_size
+            else:
+                out["head_dim"] = preset.qwen3_head_dim
+        return out
+
+    return settings
+
+
+_NEW_FAMILY_SETTINGS: dict[str, Any] = {
+    "mistral": _mistral,
+    "gemma2": _gemma("gemma2"),
+    "gemma3": _gemma("gemma3"),
+    "phi3": _phi3,
+    "mixtral": _moe("mixtral"),
+    "qwen2_moe": _moe("qwen2_moe"),
+    "qwen3_moe": _moe("qwen3_moe"),
+    "olmoe": _moe("olmoe"),
+}
 
 
 # ---- tokenizer ---------------------------------------------------------------------------
@@ -217,15 +348,15 @@ def train_tokenizer(vocab_size: int, model_max_length: int) -> Any:
 # ---- model -------------------------------------------------------------------------------
 
 
-def _randomize_weights(model: torch.nn.Module, seed: int, weight_std: float) -> None:
-    """Matrices ~ N(0, weight_std); norm scales ~ 1 + N(0, 0.1); biases ~ N(0, 0.1)."""
+def _randomize_weights(model: torch.nn.Module, seed: int, weight_std: float, norm_center: float = 1.0) -> None:
+    """Matrices ~ N(0, weight_std); norm scales ~ norm_center + N(0, 0.1); biases ~ N(0, 0.1)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():  # tied parameters appear once
             if param.dim() >= 2:
                 values = torch.randn(param.shape, generator=gen) * weight_std
             elif "norm" in name:
-                values = 1.0 + 0.1 * torch.randn(param.shape, generator=gen)
+                values = norm_center + 0.1 * torch.randn(param.shape, generator=gen)
             else:
                 values = 0.1 * torch.randn(param.shape, generator=gen)
             param.copy_(values)
@@ -268,7 +399,7 @@ def make_model(
     if tie_word_embeddings is not None:
         settings["tie_word_embeddings"] = tie_word_embeddings
     config = AutoConfig.for_model(
-        arch,
+        _MODEL_TYPES.get(arch, arch),
         architectures=[ARCHITECTURES[arch]],
         hidden_size=spec.hidden_size,
         num_hidden_layers=spec.num_layers,
@@ -295,7 +426,7 @@ def make_model(
     with no_init_weights():
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.tie_weights()  # (skipped with the init above)
-    _randomize_weights(model, seed, std)
+    _randomize_weights(model, seed, std, norm_center=0.0 if arch in _OFFSET_NORMS else 1.0)
     model.generation_config = GenerationConfig(
         bos_token_id=BOS_ID, eos_token_id=[EOS_ID, IM_END_ID], pad_token_id=PAD_ID
     )

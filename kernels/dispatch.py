@@ -25,6 +25,10 @@ class KernelOps:
     # rotary_embedding then reshape_and_cache of the rotated key (one kernel on Triton)
     rotary_and_cache: Callable[..., None]
     silu_and_mul: Callable[..., Any]
+    gelu_tanh_and_mul: Callable[..., Any]
+    # paged_attention with ``sliding_window=`` and ``softcap=`` (sliding-window and
+    # Gemma 2 layers); the PyTorch reference on every backend today.
+    windowed_attention: Callable[..., Any]
     apply_token_bitmask: Callable[..., None]
     # ``x @ w.T + b`` for the few rows of small-batch decode ([M, K] x [N, K] -> [M, N],
     # M <= rows_max) on the backend's own kernel; None: every linear is F.linear.
@@ -63,10 +67,18 @@ def get_ops(backend: str, gemv: bool = False, split_kv: bool = False) -> KernelO
         or _composed_rotary_and_cache(mod.rotary_embedding, mod.reshape_and_cache),
         # Native on CPU, fused on Triton; elsewhere the reference's two elementwise ops.
         silu_and_mul=getattr(mod, "silu_and_mul", _reference_silu_and_mul),
+        gelu_tanh_and_mul=_reference("gelu_tanh_and_mul"),
+        windowed_attention=_reference("windowed_paged_attention"),
         # A structured-output mask: native on CPU, the (device-agnostic) reference elsewhere.
         apply_token_bitmask=getattr(mod, "apply_token_bitmask", _reference_apply_token_bitmask),
         **(_triton_gemv() if gemv and backend == "triton" else {}),
     )
+
+
+def _reference(name: str) -> Callable[..., Any]:
+    from kernels import reference
+
+    return getattr(reference, name)
 
 
 def _triton_gemv() -> dict[str, Any]:

@@ -239,6 +239,68 @@ def _decode_attention(
     out[plan.tokens] = o.reshape(b, num_heads, head_dim).to(out.dtype)
 
 
+def windowed_paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    scale: float,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    workspace: dict[str, Any] | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """``paged_attention`` with a sliding window and/or soft-capped scores.
+
+    ``sliding_window`` W: the query at position p sees keys p - W + 1 .. p, and only the
+    blocks holding those are read (a sliding layer's older blocks may be gone).
+    ``softcap`` c: scores become ``c * tanh(scores / c)`` before the mask and softmax
+    (Gemma 2). Computed per sequence in float32 with explicit masks.
+    """
+    if out is None:
+        out = torch.empty_like(query)
+    block_size = key_cache.shape[1]
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    kvh = key_cache.shape[2]
+    group = num_heads // kvh
+    bounds = workspace.get("seq_bounds") if workspace is not None else None
+    if bounds is None:
+        bounds = (query_start_loc.tolist(), seq_lens.tolist())
+        if workspace is not None:
+            workspace["seq_bounds"] = bounds
+    starts, lens = bounds
+    device = query.device
+    for s, seq_len in enumerate(lens):
+        q_start, q_end = starts[s], starts[s + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        first_q = seq_len - q_len  # position of the first query token
+        first_key = 0 if sliding_window is None else max(0, first_q - sliding_window + 1)
+        first_block = first_key // block_size
+        last_block = (seq_len + block_size - 1) // block_size
+        blocks = block_tables[s, first_block:last_block].long()
+        base = first_block * block_size  # position of the first gathered key
+        k = _gather_blocks(key_cache, blocks)[: seq_len - base].float()  # [n, kvh, d]
+        v = _gather_blocks(value_cache, blocks)[: seq_len - base].float()
+        q = query[q_start:q_end].float().view(q_len, kvh, group, head_dim)
+        scores = torch.einsum("qhgd,khd->hgqk", q, k) * scale  # [kvh, group, q_len, n]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        q_pos = torch.arange(first_q, seq_len, device=device)[:, None]  # [q_len, 1]
+        k_pos = torch.arange(base, seq_len, device=device)[None, :]  # [1, n]
+        visible = k_pos <= q_pos
+        if sliding_window is not None:
+            visible &= k_pos > q_pos - sliding_window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        o = torch.einsum("hgqk,khd->qhgd", probs, v)  # [q_len, kvh, group, d]
+        out[q_start:q_end] = o.reshape(q_len, num_heads, head_dim).to(out.dtype)
+    return out
+
+
 def rms_norm(
     x: torch.Tensor,  # [num_tokens, hidden]
     weight: torch.Tensor,  # [hidden]
@@ -259,6 +321,12 @@ def rms_norm(
     variance = h.pow(2).mean(dim=-1, keepdim=True)
     h = h * torch.rsqrt(variance + eps)
     return (h * weight.float()).to(orig_dtype), new_residual
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2I] -> [num_tokens, I]
+    """GeGLU's activation (Gemma): ``gelu_tanh(gate_up[:, :I]) * gate_up[:, I:]``."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh").mul_(up)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [num_tokens, 2I] -> [num_tokens, I]

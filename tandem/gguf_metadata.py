@@ -25,8 +25,12 @@ GGUF_POINTER = "gguf.json"  # in a sidecar directory: {"gguf_file": absolute pat
 
 # GGUF's general.architecture -> config.json's architectures entry, for the families Tandem
 # serves. llama.cpp writes Mistral-7B as "llama" (told apart by general.name, see below).
+# The other families load from safetensors only: their GGUF conversions change tensors
+# (llama.cpp stores Gemma's norms as 1 + w, Phi-3's fused projections under other names).
 GGUF_ARCHITECTURES: dict[str, str] = {
-    model_type: arch for arch, model_type in SUPPORTED_ARCHITECTURES.items()
+    model_type: arch
+    for arch, model_type in SUPPORTED_ARCHITECTURES.items()
+    if model_type in ("llama", "qwen2", "qwen3")
 }
 
 

@@ -40,6 +40,33 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return _make(tmp_path_factory, "tiny_qwen3", arch="qwen3")
 
 
+# The families beyond Llama/Qwen (tests/test_families.py), one tiny checkpoint each,
+# made on first use: fixture name -> (make-model --arch, what it exercises).
+FAMILY_FIXTURES: dict[str, tuple[str, str]] = {
+    "tiny_mistral_dir": ("mistral", "every layer sliding (window 32)"),
+    "tiny_gemma2_dir": ("gemma2", "soft-capping, sliding/full layers, sandwich norms, GeGLU"),
+    "tiny_gemma3_dir": ("gemma3", "QK-norm, local and global rope, linear rope scaling"),
+    "tiny_phi3_dir": ("phi3", "fused qkv/gate_up tensors, LongRoPE, partial rotary"),
+    "tiny_mixtral_dir": ("mixtral", "4 experts, top-2, renormalized"),
+    "tiny_qwen2_moe_dir": ("qwen2_moe", "8 experts with a gated shared expert, a dense layer"),
+    "tiny_qwen3_moe_dir": ("qwen3_moe", "8 experts, norm_topk_prob, QK-norm, a dense layer"),
+    "tiny_olmoe_dir": ("olmoe", "8 experts, whole-q/k norms, clip_qkv"),
+}
+
+
+def _family_fixture(name: str, arch: str, doc: str) -> Any:
+    @pytest.fixture(scope="session", name=name)
+    def fixture(tmp_path_factory: pytest.TempPathFactory) -> str:
+        return _make(tmp_path_factory, name.removesuffix("_dir"), arch=arch)
+
+    fixture.__doc__ = doc
+    return fixture
+
+
+for _name, (_arch, _doc) in FAMILY_FIXTURES.items():
+    globals()[_name] = _family_fixture(_name, _arch, _doc)
+
+
 @pytest.fixture(scope="session")
 def tokenizer() -> Any:
     """A small byte-level BPE with CJK and emoji, trained in-process (text tests)."""

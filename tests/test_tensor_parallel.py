@@ -85,7 +85,13 @@ def _config(model_dir: str, tp: int) -> EngineConfig:
     )
 
 
-@pytest.fixture(scope="module", params=["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_llama_1kv_dir"])
+@pytest.fixture(
+    scope="module",
+    params=[
+        "tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_llama_1kv_dir",
+        "tiny_mistral_dir", "tiny_gemma2_dir", "tiny_gemma3_dir",
+    ],
+)
 def case(request: pytest.FixtureRequest) -> Iterator[Case]:
     model_dir = request.getfixturevalue(request.param)
     vocab = ModelConfig.from_pretrained(model_dir).vocab_size
@@ -240,6 +246,12 @@ def test_shard_plan_splits_uneven_kv_heads_by_whole_groups(tiny_llama_dir: str) 
     assert plans[0].max_num_kv_heads == 2
     local = plans[1].local_config
     assert (local.num_heads, local.num_kv_heads, local.head_dim) == (6, 2, config.head_dim)
+
+
+def test_shard_plan_refuses_families_it_does_not_split(tiny_phi3_dir: str, tiny_mixtral_dir: str) -> None:
+    for model_dir, why in ((tiny_phi3_dir, "fused qkv_proj"), (tiny_mixtral_dir, "mixture-of-experts")):
+        with pytest.raises(ConfigError, match=why):
+            ShardPlan.build(ModelConfig.from_pretrained(model_dir), 0, 2)
 
 
 def test_shard_plan_rejects_models_that_do_not_split(tiny_llama_dir: str) -> None:

@@ -66,7 +66,7 @@ class ShardedDecoderForCausalLM(DecoderForCausalLM):
         outside = (local < 0) | (local >= self.plan.vocab_per_rank)  # [num_tokens] bool
         hidden = F.embedding(local.masked_fill(outside, 0), self.embed_tokens)
         hidden.masked_fill_(outside.unsqueeze(-1), 0.0)
-        return self.comm.all_reduce(hidden)
+        return self.scale_embeddings(self.comm.all_reduce(hidden))
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """None: a shard's argmax is not the model's (the logits are gathered first)."""

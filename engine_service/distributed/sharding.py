@@ -26,6 +26,17 @@ from tandem.protocol.model_config import ModelConfig
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)_proj\.(weight|bias)$")
 
 
+def _unsplit_reason(config: ModelConfig) -> str | None:
+    """Why this model's tensors cannot be sharded by name here, or None."""
+    if config.moe is not None:
+        return "mixture-of-experts layers"
+    if config.features.fused_checkpoint:
+        return "fused qkv_proj / gate_up_proj tensors"
+    if config.features.qk_norm_whole:
+        return "RMSNorm over all of q and k"
+    return None
+
+
 @dataclass(frozen=True)
 class ShardPlan:
     """Rank ``rank`` of ``world_size``'s slice of a ``ModelConfig``."""
@@ -46,6 +57,9 @@ class ShardPlan:
             )
         if config.intermediate_size % n:
             problems.append(f"intermediate_size={config.intermediate_size} is not divisible by it")
+        unsplit = _unsplit_reason(config)
+        if unsplit:
+            problems.append(f"{config.architecture} is not split yet ({unsplit})")
         if problems:
             raise ConfigError(f"tensor_parallel_size={n} does not fit the model: " + "; ".join(problems))
         if not 0 <= rank < n:

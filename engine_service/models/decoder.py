@@ -1,4 +1,9 @@
-"""One decoder-only transformer covering Llama, Qwen2 and Qwen3 through feature flags.
+"""One decoder-only transformer for every supported family, through typed options.
+
+``ModelConfig.features`` (``ArchitectureFeatures``) and its per-layer fields say how a
+family differs from Llama: biases, QK-norm (per head or whole), Gemma's sandwich norms,
+(1 + w) norm scales, scaled embeddings, soft-capping and GeGLU, sliding-window layers
+with their own rope base, partial rotary, and mixture-of-experts MLPs (moe.py).
 
 The model runs a flattened batch (all sequences' new tokens in one ``[num_tokens]``
 row) against a paged KV cache, calling the ``KernelOps`` it was given for normalisation,
@@ -17,10 +22,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_service.attention import AttentionMetadata
+from engine_service.models.layers import (
+    MLP,
+    FusedLinear,
+    PackedWeight,
+    RMSNormWeight,
+    empty_param,
+    pack_linear_weight,
+    packed_matmul,
+)
+from engine_service.models.moe import MoEBlock
 from engine_service.models.quantized import Q8_0_GROUP, Int4Rows, QuantizedRows
 from engine_service.models.rotary import build_cos_sin_cache
 from kernels.dispatch import KernelOps
-from kernels.onednn_linear import pack_weight, packed_linear
 from kernels.panel_linear import (
     ArgmaxScreen,
     PanelArena,
@@ -28,7 +42,6 @@ from kernels.panel_linear import (
     argmax_screen,
     pack_panels,
     pack_panels_grouped,
-    panel_linear,
     panel_linear_argmax,
     panel_linear_argmax_screened,
     panels_shape,
@@ -36,84 +49,14 @@ from kernels.panel_linear import (
 from tandem.protocol.model_config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
-# A packed linear weight: an opaque oneDNN tensor, or float32 / int8 panels.
-PackedWeight = torch.Tensor | PanelWeight
-LINEAR_LAYOUTS = ("onednn", "panel", "panel_int8")
-
-
-def pack_linear_weight(weight: torch.Tensor, layout: str) -> PackedWeight:
-    """``[out, in]`` dense weight -> its packed form: "onednn" (oneDNN's blocked layout),
-    "panel" (float32 16-column panels) or "panel_int8" (int8 panels, per-channel scales)."""
-    if layout == "onednn":
-        return pack_weight(weight)
-    if layout in ("panel", "panel_int8"):
-        return pack_panels(weight, quantize=layout == "panel_int8")
-    raise ValueError(f"unknown linear layout {layout!r}; expected one of {LINEAR_LAYOUTS}")
-
-
-def packed_matmul(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ W.T + bias`` for a weight from ``pack_linear_weight``."""
-    if isinstance(packed, PanelWeight):
-        return panel_linear(x, packed, bias)
-    return packed_linear(x, packed, bias)
-
-
-def _empty_param(*shape: int, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
-
-
-class RMSNormWeight(nn.Module):
-    """Holds one RMSNorm scale vector; the norm itself is ``ops.rms_norm``."""
-
-    def __init__(self, size: int, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.weight = _empty_param(size, dtype=dtype, device=device)  # [size]
-
-
-class FusedLinear(nn.Module):
-    """``y = x @ weight.T + bias`` whose output rows are stacked sub-projections."""
-
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool,
-        dtype: torch.dtype,
-        device: torch.device,
-        ops: KernelOps | None = None,
-    ) -> None:
-        super().__init__()
-        # The backend's kernel for at most ``_small_rows_max`` rows (KernelOps.small_rows_linear).
-        self._small_rows = ops.small_rows_linear if ops is not None else None
-        self._small_rows_max = ops.small_rows_max if ops is not None else 0
-        # [out_features, in_features]; None once pack() moved it into packed_weight.
-        self.weight: nn.Parameter | None = _empty_param(out_features, in_features, dtype=dtype, device=device)
-        self.bias = _empty_param(out_features, dtype=dtype, device=device) if bias else None
-        self.packed_weight: PackedWeight | None = None  # see pack()
-
-    def pack(self, layout: str = "onednn") -> None:
-        """Pack the weight (``pack_linear_weight``'s layouts) and drop the dense copy."""
-        if self.weight is None:
-            return
-        self.packed_weight = pack_linear_weight(self.weight, layout)
-        self.weight = None
-
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x @ W.T + bias`` on whichever form the weight is in."""
-        if self.packed_weight is not None:
-            return packed_matmul(x, self.packed_weight, bias)
-        if self._small_rows is not None and x.dim() == 2 and x.shape[0] <= self._small_rows_max:
-            return self._small_rows(x, self.weight, bias)
-        return F.linear(x, self.weight, bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
 
 
 class Attention(nn.Module):
     """Grouped-query self-attention over the paged KV cache."""
 
-    def __init__(self, config: ModelConfig, ops: KernelOps, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, config: ModelConfig, ops: KernelOps, dtype: torch.dtype, device: torch.device, layer: int = 0
+    ) -> None:
         super().__init__()
         self.ops = ops
         self.num_heads = config.num_heads
@@ -122,15 +65,26 @@ class Attention(nn.Module):
         self.q_size = config.q_size
         self.kv_size = config.kv_size
         self.eps = config.rms_norm_eps
-        self.scale = config.head_dim**-0.5
         features = config.features
+        self.scale = features.query_scale if features.query_scale is not None else config.head_dim**-0.5
+        self.sliding_window = config.window_of(layer)
+        self.softcap = features.attn_softcap
+        self.clip_qkv = features.clip_qkv
+        self.rotary_dim = config.rotary_dim  # None: all of head_dim
+        # Gemma 3's sliding layers rotate by their own base (DecoderForCausalLM.local_cos_sin_cache).
+        self.local_rope = config.rope_local_theta is not None and config.is_sliding(layer)
+        # Plain layers take the backend's fused kernels; the others its general path.
+        self.plain = self.sliding_window is None and self.softcap is None
         # Output rows: [q (q_size) | k (kv_size) | v (kv_size)].
         self.qkv_proj = FusedLinear(
             config.hidden_size, self.q_size + 2 * self.kv_size, features.qkv_bias, dtype, device, ops
         )
         self.o_proj = FusedLinear(self.q_size, config.hidden_size, features.o_proj_bias, dtype, device, ops)
-        self.q_norm = RMSNormWeight(self.head_dim, dtype, device) if features.qk_norm else None
-        self.k_norm = RMSNormWeight(self.head_dim, dtype, device) if features.qk_norm else None
+        # Per head ([head_dim] scales), or OLMoE's over the whole of q and of k.
+        q_norm_size, k_norm_size = (self.q_size, self.kv_size) if features.qk_norm_whole else (self.head_dim,) * 2
+        has_qk_norm = features.qk_norm or features.qk_norm_whole
+        self.q_norm = RMSNormWeight(q_norm_size, dtype, device) if has_qk_norm else None
+        self.k_norm = RMSNormWeight(k_norm_size, dtype, device) if has_qk_norm else None
 
     def forward(
         self,
@@ -144,21 +98,30 @@ class Attention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [num_tokens, q_size + 2 * kv_size]
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            # Per-head RMSNorm over head_dim; the rows are (token, head) pairs.
-            q, _ = self.ops.rms_norm(q.reshape(-1, self.head_dim), self.q_norm.weight, self.eps)
-            k, _ = self.ops.rms_norm(k.reshape(-1, self.head_dim), self.k_norm.weight, self.eps)
-            q = q.view(num_tokens, self.num_heads, self.head_dim)
-            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+            # Rows of [head_dim] (a (token, head) pair each), or whole q / k rows (OLMoE).
+            size_q, size_k = self.q_norm.weight.shape[0], self.k_norm.weight.shape[0]
+            q, _ = self.ops.rms_norm(q.reshape(-1, size_q), self.q_norm.weight, self.eps)
+            k, _ = self.ops.rms_norm(k.reshape(-1, size_k), self.k_norm.weight, self.eps)
+        if self.clip_qkv is not None:  # after the norms (OLMoE)
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
-        # Rotates q and k in place, then writes the rotated k and v into their cache slots.
-        self.ops.rotary_and_cache(
-            positions, q, k, v, cos_sin_cache, key_cache, value_cache, attn_metadata.slot_mapping
-        )
-        self.ops.paged_attention(
+        if self.rotary_dim is None:
+            # Rotates q and k in place, then writes the rotated k and v into their cache slots.
+            self.ops.rotary_and_cache(
+                positions, q, k, v, cos_sin_cache, key_cache, value_cache, attn_metadata.slot_mapping
+            )
+        else:  # partial rotary: the first rotary_dim of each head turn, the rest pass
+            q, k = q.contiguous(), k.contiguous()
+            rot = self.rotary_dim
+            q_rot, k_rot = q[..., :rot].clone(), k[..., :rot].clone()
+            self.ops.rotary_embedding(positions, q_rot, k_rot, cos_sin_cache)
+            q[..., :rot], k[..., :rot] = q_rot, k_rot
+            self.ops.reshape_and_cache(k, v, key_cache, value_cache, attn_metadata.slot_mapping)
+        args = (
             q,
             key_cache,
             value_cache,
@@ -166,41 +129,43 @@ class Attention(nn.Module):
             attn_metadata.query_start_loc,
             attn_metadata.seq_lens,
             self.scale,
-            out=attn_out,
-            workspace=attn_metadata.workspace,
         )
+        if self.plain:
+            self.ops.paged_attention(*args, out=attn_out, workspace=attn_metadata.workspace)
+        else:
+            self.ops.windowed_attention(
+                *args,
+                out=attn_out,
+                workspace=attn_metadata.workspace,
+                sliding_window=self.sliding_window,
+                softcap=self.softcap,
+            )
         return self.o_proj(attn_out.view(num_tokens, self.q_size))
 
 
-class MLP(nn.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
-
-    def __init__(self, config: ModelConfig, ops: KernelOps, dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        bias = config.features.mlp_bias
-        self.ops = ops
-        # Output rows: [gate (intermediate) | up (intermediate)].
-        self.gate_up_proj = FusedLinear(
-            config.hidden_size, 2 * config.intermediate_size, bias, dtype, device, ops
-        )
-        self.down_proj = FusedLinear(config.intermediate_size, config.hidden_size, bias, dtype, device, ops)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden] -> same
-        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate]
-        return self.down_proj(self.ops.silu_and_mul(gate_up))
-
-
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``h += attn(norm(h)); h += mlp(norm(h))``, residual add fused into the norms."""
+    """Pre-norm block: ``h += attn(norm(h)); h += mlp(norm(h))``, residual add fused into the norms.
 
-    def __init__(self, config: ModelConfig, ops: KernelOps, dtype: torch.dtype, device: torch.device) -> None:
+    With sandwich norms (Gemma 2/3) each branch's output is normed before the add:
+    ``h += post_attention_norm(attn(input_norm(h))); h += post_ff_norm(mlp(pre_ff_norm(h)))``.
+    """
+
+    def __init__(
+        self, config: ModelConfig, ops: KernelOps, dtype: torch.dtype, device: torch.device, layer: int = 0
+    ) -> None:
         super().__init__()
         self.ops = ops
         self.eps = config.rms_norm_eps
-        self.input_layernorm = RMSNormWeight(config.hidden_size, dtype, device)
-        self.self_attn = Attention(config, ops, dtype, device)
-        self.post_attention_layernorm = RMSNormWeight(config.hidden_size, dtype, device)
-        self.mlp = MLP(config, ops, dtype, device)
+        h = config.hidden_size
+        self.input_layernorm = RMSNormWeight(h, dtype, device)
+        self.self_attn = Attention(config, ops, dtype, device, layer)
+        self.post_attention_layernorm = RMSNormWeight(h, dtype, device)
+        sandwich = config.features.sandwich_norms
+        self.pre_feedforward_layernorm = RMSNormWeight(h, dtype, device) if sandwich else None
+        self.post_feedforward_layernorm = RMSNormWeight(h, dtype, device) if sandwich else None
+        self.mlp: nn.Module = (
+            MoEBlock(config, ops, dtype, device) if config.is_moe_layer(layer) else MLP(config, ops, dtype, device)
+        )
 
     def forward(
         self,
@@ -219,10 +184,13 @@ class DecoderLayer(nn.Module):
         else:
             normed, residual = self.ops.rms_norm(hidden, self.input_layernorm.weight, self.eps, residual)
         hidden = self.self_attn(normed, positions, kv_cache, attn_metadata, cos_sin_cache, attn_out)
-        normed, residual = self.ops.rms_norm(
-            hidden, self.post_attention_layernorm.weight, self.eps, residual
-        )
-        return self.mlp(normed), residual
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            normed, residual = self.ops.rms_norm(hidden, self.post_attention_layernorm.weight, self.eps, residual)
+            return self.mlp(normed), residual
+        hidden, _ = self.ops.rms_norm(hidden, self.post_attention_layernorm.weight, self.eps)
+        normed, residual = self.ops.rms_norm(hidden, self.pre_feedforward_layernorm.weight, self.eps, residual)
+        hidden, _ = self.ops.rms_norm(self.mlp(normed), self.post_feedforward_layernorm.weight, self.eps)
+        return hidden, residual
 
 
 class DecoderForCausalLM(nn.Module):
@@ -232,25 +200,32 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.ops = ops
-        self.embed_tokens = _empty_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+        self.embed_tokens = empty_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, ops, dtype, device) for _ in range(config.num_layers)
+            DecoderLayer(config, ops, dtype, device, layer) for layer in range(config.num_layers)
         )
         self.norm = RMSNormWeight(config.hidden_size, dtype, device)
         # Tied checkpoints share the embedding matrix; no separate parameter then.
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else _empty_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
+            else empty_param(config.vocab_size, config.hidden_size, dtype=dtype, device=device)
         )
         cos_sin = build_cos_sin_cache(
-            config.head_dim,
+            config.rope_dim,
             config.max_position_embeddings,
             config.rope_theta,
             config.rope_scaling,
             device=device,
         )
-        self.register_buffer("cos_sin_cache", cos_sin, persistent=False)  # [max_pos, head_dim] f32
+        self.register_buffer("cos_sin_cache", cos_sin, persistent=False)  # [max_pos, rope_dim] f32
+        # Gemma 3's sliding layers: plain rope at their local base (None elsewhere).
+        local = None
+        if config.rope_local_theta is not None:
+            local = build_cos_sin_cache(
+                config.rope_dim, config.max_position_embeddings, config.rope_local_theta, None, device=device
+            )
+        self.register_buffer("local_cos_sin_cache", local, persistent=False)
         self.lm_head_packed: PackedWeight | None = None  # see pack_linears()
         # Parameter name -> (row_start, rows) of checkpoint matrices stored as int8 with group
         # scales (GGUF Q8_0), set by the loader: pack_linears packs them as they are.
@@ -262,6 +237,8 @@ class DecoderForCausalLM(nn.Module):
         # Decode-only steps run every layer in one native call when all linear layers are
         # plain float32 or int8 panels (see native_decode_weights); None: not built yet.
         self.native_decode = False
+        # Every layer is Llama/Qwen-shaped (what the native decode call computes).
+        self.plain_layers = _plain_layers(config)
         self._native_weights: tuple[list[tuple[dict, str, FusedLinear, PanelWeight]], list[torch.Tensor]] | None = (
             None
         )
@@ -368,9 +345,8 @@ class DecoderForCausalLM(nn.Module):
         attn_out = hidden.new_empty(num_tokens, self.config.num_heads, self.config.head_dim)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(
-                hidden, residual, positions, kv_cache, attn_metadata, self.cos_sin_cache, attn_out
-            )
+            cos_sin = self.local_cos_sin_cache if layer.self_attn.local_rope else self.cos_sin_cache
+            hidden, residual = layer(hidden, residual, positions, kv_cache, attn_metadata, cos_sin, attn_out)
         hidden, _ = self.ops.rms_norm(hidden, self.norm.weight, self.config.rms_norm_eps, residual)
         return hidden
 
@@ -380,6 +356,8 @@ class DecoderForCausalLM(nn.Module):
         oneDNN, LoRA-wrapped, tensor-parallel). Rebuilt when a projection or its packed
         weight is replaced; the check reads the module dicts directly, as it runs every
         decode step."""
+        if not self.plain_layers:
+            return None
         cached = self._native_weights
         if cached is not None:
             slots, weights = cached
@@ -446,7 +424,14 @@ class DecoderForCausalLM(nn.Module):
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``[num_tokens]`` ids -> ``[num_tokens, hidden_size]`` embeddings."""
-        return F.embedding(input_ids, self.embed_tokens)
+        return self.scale_embeddings(F.embedding(input_ids, self.embed_tokens))
+
+    def scale_embeddings(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Gemma multiplies embeddings by sqrt(hidden_size), in the model's dtype."""
+        scale = self.config.features.embed_scale
+        if scale is None:
+            return hidden
+        return hidden * torch.tensor(scale, dtype=hidden.dtype)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """``compute_logits(hidden).argmax(-1)`` without reading the logits back (panel-packed
@@ -454,6 +439,8 @@ class DecoderForCausalLM(nn.Module):
         up to ``SCREEN_MAX_ROWS`` rows read a quarter of the head and recompute only the
         tiles that can hold the maximum, same tokens); None for other layouts, whose
         caller computes the logits."""
+        if self.config.features.final_softcap is not None:
+            return None  # argmax of capped logits: computed from the logits themselves
         if isinstance(self.lm_head_packed, PanelWeight):
             # (a screen of another weight, after lm_head_packed was swapped, does not apply)
             if self.lm_head_screen is not None and self.lm_head_screen.exact is self.lm_head_packed:
@@ -464,5 +451,28 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden_size]`` -> ``[n, vocab_size]`` float32 logits."""
         if self.lm_head_packed is not None:
-            return packed_matmul(hidden, self.lm_head_packed, None).float()
-        return F.linear(hidden, self.lm_head_weight).float()
+            logits = packed_matmul(hidden, self.lm_head_packed, None).float()
+        else:
+            logits = F.linear(hidden, self.lm_head_weight).float()
+        cap = self.config.features.final_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+
+def _plain_layers(config: ModelConfig) -> bool:
+    """Whether every layer is what ``tandem_cpu::decode_layers`` computes: Llama/Qwen
+    attention (full, per-head QK-norm at most) and a dense SwiGLU MLP."""
+    f = config.features
+    return (
+        not config.layer_types
+        and config.moe is None
+        and config.rotary_dim is None
+        and f.activation == "silu"
+        and not (f.sandwich_norms or f.qk_norm_whole or f.norm_offset)
+        and f.embed_scale is None
+        and f.attn_softcap is None
+        and f.final_softcap is None
+        and f.query_scale is None
+        and f.clip_qkv is None
+    )

@@ -8,6 +8,7 @@ exactly once, with the expected shape, and that nothing is left unwritten or unu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -20,6 +21,7 @@ from safetensors import safe_open
 from engine_service.models.checkpoint_map import WeightTarget, weight_targets
 from engine_service.models.decoder import DecoderForCausalLM
 from engine_service.models.gguf_weights import gguf_entries
+from engine_service.models.quant_formats import QuantizedTensors
 from engine_service.models.quantized import Int4Rows, QuantizedRows
 from kernels.dispatch import KernelOps
 from tandem.gguf_metadata import read_pointer
@@ -114,6 +116,8 @@ class WeightLoader:
                 self.int4_rows.setdefault(target.param, []).append((target.row_start, tensor))
                 tensor = tensor.dequantize()
             rows.copy_(tensor)  # casts to the parameter's dtype and device
+            if target.offset:
+                rows.add_(target.offset)
             self._loaded_from[name] = source
 
     def check_complete(self, model_dir: str) -> None:
@@ -176,10 +180,26 @@ def load_weights(loader: WeightLoader, model_dir: str, config: ModelConfig, keep
             if not os.path.isfile(gguf_file):
                 raise ModelLoadError(f"{model_dir}: its GGUF file {gguf_file!r} is gone")
             loader.load_entries(gguf_file, gguf_reader_entries(gguf_file, config, keep_int8))
+        elif config.quantization is not None:
+            _load_quantized(loader, checkpoint_files(model_dir), config)
         else:
             for path in checkpoint_files(model_dir):
                 loader.load_file(path)
     loader.check_complete(model_dir)
+
+
+def _load_quantized(loader: WeightLoader, files: list[str], config: ModelConfig) -> None:
+    """A GPTQ, AWQ or FP8 checkpoint (quant_formats.py): float tensors load as they come,
+    then each quantized layer's tensors, which may straddle files, as one ``<layer>.weight``
+    (every file stays open until then)."""
+    assert config.quantization is not None
+    tensors = QuantizedTensors(config.quantization, wanted=weight_targets(config))
+    with contextlib.ExitStack() as stack:
+        for path in files:
+            f = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
+            loader.load_entries(path, tensors.take(path, safetensors_entries(f)))
+        for path, entry in tensors.rest():
+            loader.load_entries(path, [entry])
 
 
 def load_model(
