@@ -23,6 +23,10 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [num_seqs] int32
     max_query_len: int
     max_seq_len: int
+    # The sliding-window layers' own slots and tables (kv_cache/sliding.py), when they
+    # keep their KV apart; None: every layer reads the two above.
+    window_slot_mapping: torch.Tensor | None = None  # [num_tokens] int64
+    window_block_tables: torch.Tensor | None = None  # [num_seqs, max_blocks_per_seq] int32
     # Per-step scratch the attention backend may fill on the first layer and reuse in
     # the others (plans that depend on the batch only, not on the layer).
     workspace: dict[str, Any] = field(default_factory=dict)

@@ -76,7 +76,7 @@ class ModelRunner:
 
     def capture_cuda_graphs(self) -> None:
         """(Re)capture the decode graphs over the current model and KV cache."""
-        if self.graphs is not None:
+        if self.graphs is not None and self.kv.window is None:  # (graphs address one block table)
             start = time.perf_counter()
             self.graphs.capture(self.model, self.kv_caches)
             logger.info("captured %d decode CUDA graphs in %.1fs", len(self.graphs.sizes), time.perf_counter() - start)
@@ -103,10 +103,17 @@ class ModelRunner:
         sample_idx: list[int] = []
         pool_idx: list[int] = []
         pending: list[tuple[int, str]] = []  # (row, request id) of placeholder input tokens
+        window = self.kv.window is not None
+        window_slots: list[int] = []
+        window_tables: list[list[int]] = []
         for i, entry in enumerate(sched.scheduled):
             request = entry.request
             start, n = entry.start, entry.num_new_tokens
             block_ids = self.kv.block_ids(request.request_id)
+            if window:
+                ids = self.kv.window_block_ids(request.request_id)
+                window_tables.append(ids)
+                window_slots.extend(ids[p // bs] * bs + p % bs for p in range(start, start + n))
             if n == 1:
                 if start < request.num_tokens:
                     tokens.append(request.all_token_ids[start])
@@ -135,13 +142,13 @@ class ModelRunner:
             block_table += [0] * (max_blocks - len(t))
         max_query_len = max(entry.num_new_tokens for entry in sched.scheduled)
         graph_size = None
-        if self.graphs is not None and max_query_len == 1:  # decode only: straight into a graph's inputs
+        if self.graphs is not None and max_query_len == 1 and not window:  # decode only: straight into a graph's inputs
             graph_size = self.graphs.stage(tokens, positions_l, slots, seq_lens, block_table, max_blocks)
         if graph_size is not None:
             input_ids, positions, attn = self.graphs.batch_views(num_seqs, max(seq_lens))
         else:
             staged = None
-            if self.staging is not None:
+            if self.staging is not None and not window:
                 staged = self.staging.put(tokens, positions_l, slots, block_table, max_blocks, query_start, seq_lens)
             if staged is None:
                 put = self._to_device
@@ -159,6 +166,11 @@ class ModelRunner:
                 max_query_len=max_query_len,
                 max_seq_len=max(seq_lens),
             )
+            if window:
+                width = max(len(t) for t in window_tables)
+                flat = [i for t in window_tables for i in (*t, *[0] * (width - len(t)))]
+                attn.window_slot_mapping = self._to_device(window_slots, torch.int64)
+                attn.window_block_tables = self._to_device(flat, torch.int32).view(num_seqs, width)
         batch = BatchInputs(
             input_ids, positions, attn, sample_rows, sample_idx, pool_idx, graph_size=graph_size, pending=pending
         )

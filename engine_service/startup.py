@@ -34,7 +34,9 @@ from engine_service.kv_cache.memory import (
     allocate_kv_caches,
     kv_cache_block_bytes,
     profile_num_gpu_blocks,
+    window_split,
 )
+from engine_service.kv_cache.sliding import SlidingWindowBlocks
 from engine_service.kv_transfer import CacheLayout, KvConnector, NoConnector
 from engine_service.lora import LoRAManager
 from engine_service.lora.engine_api import preload_loras
@@ -133,7 +135,16 @@ def start_up(
     scratch = ScratchForward(config, model, shard_config, executor)
     with _phase(tracer, "allocate_kv_cache") as span:
         num_blocks = num_kv_blocks(config, model, shard_config, max_model_len, executor, scratch)
-        kv_caches = loader.allocate_kv_caches(shard_config, num_blocks)
+        window_blocks = None
+        # Sliding-window layers keep only their window's blocks (kv_cache/sliding.py), with
+        # one process and no KV connector (whose transfers address one block table).
+        if shard_config.sliding_window is not None and executor is None and isinstance(kv_connector, NoConnector):
+            num_blocks, window_blocks = window_split(
+                shard_config, num_blocks, config.block_size, config.max_num_seqs,
+                min(config.max_num_batched_tokens, max_model_len), max_model_len,
+            )
+            logger.info("sliding-window layers: %d blocks of their own, full layers %d", window_blocks, num_blocks)
+        kv_caches = loader.allocate_kv_caches(shard_config, num_blocks, window_blocks)
         if span is not None:
             span.set_attributes({
                 "tandem.kv_cache.num_blocks": num_blocks,
@@ -143,7 +154,13 @@ def start_up(
                 "tandem.tensor_parallel_size": config.tensor_parallel_size,
             })
     with contextlib.ExitStack() as on_failure:
-        kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        window = None
+        if window_blocks is not None:
+            assert shard_config.sliding_window is not None
+            window = SlidingWindowBlocks(
+                window_blocks, config.block_size, shard_config.sliding_window, config.enable_prefix_caching
+            )
+        kv_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, window)
         structured = StructuredOutputManager(
             config.tokenizer or config.model,
             model_config.vocab_size,
@@ -212,7 +229,7 @@ def start_up(
         outputs=outputs,
         profiler=profiler,
         load_model=lambda: loader.load()[0],
-        allocate_kv_caches=functools.partial(loader.allocate_kv_caches, shard_config, num_blocks),
+        allocate_kv_caches=functools.partial(loader.allocate_kv_caches, shard_config, num_blocks, window_blocks),
     )
 
 
@@ -242,12 +259,17 @@ class ModelLoader:
         )
         return model, model_config
 
-    def allocate_kv_caches(self, shard_config: ModelConfig, num_blocks: int) -> KvCaches:
-        """``num_blocks`` blocks shaped by ``shard_config`` (this rank's kv heads)."""
+    def allocate_kv_caches(
+        self, shard_config: ModelConfig, num_blocks: int, window_blocks: int | None = None
+    ) -> KvCaches:
+        """``num_blocks`` blocks shaped by ``shard_config`` (this rank's kv heads);
+        ``window_blocks`` for the sliding-window layers (one process only)."""
         cfg = self.config
         if self.executor is not None:
             self.executor.allocate_kv_cache(num_blocks)
-        return allocate_kv_caches(shard_config, num_blocks, cfg.block_size, cfg.torch_dtype, cfg.torch_device)
+        return allocate_kv_caches(
+            shard_config, num_blocks, cfg.block_size, cfg.torch_dtype, cfg.torch_device, window_blocks
+        )
 
 
 class ScratchForward:

@@ -59,7 +59,7 @@ def run_engine(
             for o in outs.all_outputs():
                 tokens[o.request_id].extend(o.new_token_ids)
                 cached[o.request_id] = o.num_cached_tokens
-    core.kv_manager.pool.check_all_free()
+    core.kv_manager.check_all_free()
     return tokens, cached, preemptions
 
 

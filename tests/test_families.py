@@ -40,9 +40,13 @@ def family_case(request: pytest.FixtureRequest) -> tuple[str, list[list[int]], l
 @pytest.mark.parametrize("setup", FAMILY_SETUPS)
 def test_family_greedy_matches_hf(family_case, setup: str) -> None:  # type: ignore[no-untyped-def]
     model_dir, prompts, max_tokens, expected = family_case
-    core = EngineCore(
-        EngineConfig(model=model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=16, **SETUPS[setup])
-    )
+    settings = dict(SETUPS[setup])
+    if setup == "preempt":
+        # Sliding-window layers hold only their window, so a decoding request stops growing:
+        # chunked prefill into the smallest cache one max_model_len request allows makes
+        # running requests compete for blocks in every family.
+        settings.update(max_num_batched_tokens=128, num_gpu_blocks_override=MAX_MODEL_LEN // 16)
+    core = EngineCore(EngineConfig(model=model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=16, **settings))
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
     prefix = bool(SETUPS[setup]["enable_prefix_caching"])
     tokens, cached, preemptions = run_engine(core, prompts, params, waves=2 if prefix else 1)
@@ -190,3 +194,59 @@ def test_moe_experts_equal_a_per_token_loop(top_k: int) -> None:
                 gate, up = (x[token] @ w13[expert].T).chunk(2)
                 want += w * (w2[expert] @ (torch.nn.functional.silu(gate) * up))
             torch.testing.assert_close(got[token], want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_mistral_dir", "tiny_gemma2_dir"])
+def test_sliding_layers_hold_only_their_window(fixture: str, request: pytest.FixtureRequest) -> None:
+    """A sequence of ~8 windows: the sliding layers' blocks stay within the window plus one
+    chunk while the full layers' (Gemma 2's every other layer) grow with it; tokens as HF's."""
+    from engine_service.kv_cache.sliding import SlidingWindowBlocks
+    from tandem.protocol.outputs import EngineCoreRequest
+
+    model_dir = request.getfixturevalue(fixture)
+    chunk, bs = 64, 16
+    core = EngineCore(EngineConfig(
+        model=model_dir, max_model_len=MAX_MODEL_LEN, max_num_seqs=4, max_num_batched_tokens=chunk,
+        enable_prefix_caching=False, device="cpu", block_size=bs,
+    ))
+    window = core.kv_manager.window
+    assert window is not None and window.window == TINY_WINDOW
+    prompt = [(7 * i) % 1000 + 3 for i in range(150)]
+    core.add_request(EngineCoreRequest("long", prompt, SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)))
+    tokens: list[int] = []
+    held: list[int] = []
+    while core.has_unfinished_requests():
+        for out in core.step().all_outputs():
+            tokens += out.new_token_ids
+        held.append(window.num_held("long"))
+    bound = SlidingWindowBlocks.blocks_needed_per_request(TINY_WINDOW, bs, chunk)
+    assert max(held) <= bound < -(-250 // bs)  # 7 blocks where the whole sequence takes 16
+    assert held[-2] <= -(-TINY_WINDOW // bs) + 1  # decoding: the window and the block being filled
+    assert tokens == hf_greedy(model_dir, [prompt], 100)[0]
+    core.kv_manager.check_all_free()
+
+
+def test_sliding_window_prefix_hit_needs_the_window_cached() -> None:
+    """A prefix hit stops where a block its first step's window reads is gone."""
+    from engine_service.kv_cache.sliding import SlidingWindowBlocks
+
+    blocks = SlidingWindowBlocks(num_blocks=16, block_size=4, window=6, enable_caching=True)
+    hashes = [bytes([i]) for i in range(8)]
+    blocks.allocate("a", 0, 32)
+    blocks.cache_blocks("a", 32, hashes)
+    blocks.free("a")
+    # A hit of 8 blocks reads from position 32 - 6 + 1 = 27 on: blocks 6 and 7.
+    assert blocks.longest_hit(hashes, 8) == (8, [blocks.pool.get_cached_block(h) for h in hashes[6:8]])
+    blocks.pool.get_new_blocks(16)  # evicts every cached block
+    assert blocks.longest_hit(hashes, 8) == (0, [])
+    blocks = SlidingWindowBlocks(num_blocks=16, block_size=4, window=6, enable_caching=True)
+    blocks.allocate("b", 0, 32)
+    blocks.cache_blocks("b", 32, hashes)
+    # Block 6 (positions 24-27) gone from the cache: a hit can end at block 6 at most,
+    # whose window (positions 19-23) is blocks 4 and 5.
+    blocks.pool._evict(blocks.tables["b"][6])  # type: ignore[arg-type]
+    assert blocks.longest_hit(hashes, 8)[0] == 6
+    blocks.allocate("b", 32, 40)  # the window moved on: blocks before 27 // 4 = 6 freed
+    assert [b is None for b in blocks.tables["b"]] == [True] * 6 + [False] * 4
+    blocks.free("b")
+    blocks.pool.check_all_free()

@@ -10,6 +10,7 @@ from engine_service.kv_cache.block_pool import (
     KVCacheBlock,
     hash_block_tokens,
 )
+from engine_service.kv_cache.sliding import SlidingWindowBlocks
 from engine_service.request import Request
 
 
@@ -21,6 +22,10 @@ class KVBlocks:
 
     blocks: tuple[KVCacheBlock, ...] = ()
     block_size: int = 0
+    # A hit's sliding-window blocks (sliding.py): ``window_blocks`` are the window's
+    # blocks ``[window_start, len(blocks))``.
+    window_start: int = 0
+    window_blocks: tuple[KVCacheBlock, ...] = ()
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -53,9 +58,14 @@ class KVCacheManager:
     a later request with the same prefix (and cache salt) reuses them.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool, window: SlidingWindowBlocks | None = None
+    ) -> None:
+        """``window``: the sliding-window layers' own blocks (sliding.py); None when every
+        layer reads this manager's tables."""
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.window = window
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
         # request id -> how many of its leading blocks are already registered.
@@ -64,6 +74,8 @@ class KVCacheManager:
 
     @property
     def usage(self) -> float:
+        if self.window is not None:
+            return max(self.pool.usage, self.window.pool.usage)
         return self.pool.usage
 
     @property
@@ -80,6 +92,11 @@ class KVCacheManager:
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def window_block_ids(self, request_id: str) -> list[int]:
+        """The sliding-window layers' table (0 for blocks the window passed); requires ``window``."""
+        assert self.window is not None
+        return self.window.block_ids(request_id)
 
     def _update_block_hashes(self, request: Request) -> None:
         """Extend ``request.block_hashes`` to cover every full block of its known tokens."""
@@ -106,10 +123,16 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        window_start, window_blocks = 0, []
+        if self.window is not None and hits:
+            # Only as far as the sliding layers still have the window before it.
+            num_hits, window_blocks = self.window.longest_hit(request.block_hashes, len(hits))
+            hits = hits[:num_hits]
+            window_start = num_hits - len(window_blocks)
         num_hit_tokens = len(hits) * self.block_size
         self.stats.queries += request.num_tokens
         self.stats.hits += num_hit_tokens
-        return KVBlocks(tuple(hits), self.block_size)
+        return KVBlocks(tuple(hits), self.block_size, window_start, tuple(window_blocks))
 
     def allocate_slots(
         self,
@@ -127,15 +150,25 @@ class KVCacheManager:
         needed = -(-(num_computed + num_new_tokens) // self.block_size) - len(blocks) - len(hits)
         # Hits sitting in the free queue stop being allocatable once touched.
         free_hits = sum(1 for b in hits if b.ref_cnt == 0)
-        if needed > self.pool.num_free_blocks - free_hits:
+        fits = needed <= self.pool.num_free_blocks - free_hits
+        window = self.window
+        rid = request.request_id
+        if window is not None and fits:
+            window_needed = window.num_new_blocks(rid, num_computed, num_computed + num_new_tokens, len(hits) * self.block_size)
+            window_free_hits = sum(1 for b in hit.window_blocks if b.ref_cnt == 0)
+            room = window.pool.num_free_blocks + window.num_releasable(rid, num_computed)
+            fits = window_needed + window_free_hits <= room
+        if not fits:
             if not blocks:
-                del self.req_blocks[request.request_id]
+                del self.req_blocks[rid]
             return False
         if hits:
             self.pool.touch(hits)
             blocks.extend(hits)
         if needed > 0:
             blocks.extend(self.pool.get_new_blocks(needed))
+        if window is not None:
+            window.allocate(rid, num_computed, num_computed + num_new_tokens, (hit.window_start, list(hit.window_blocks)))
         return True
 
     def cache_blocks(self, request: Request) -> None:
@@ -155,6 +188,8 @@ class KVCacheManager:
                 tokens = request.all_token_ids[i * bs : (i + 1) * bs]
                 self.pool.cache_block(blocks[i], hashes[i], parent, tokens)
         self.num_registered[request.request_id] = max(start, num_full)
+        if self.window is not None:
+            self.window.cache_blocks(request.request_id, request.num_computed_tokens, request.block_hashes)
 
     def free(self, request: Request) -> None:
         """Return the request's blocks; the tail goes first so it is evicted first."""
@@ -162,6 +197,8 @@ class KVCacheManager:
         self.num_registered.pop(request.request_id, None)
         if blocks:
             self.pool.free_blocks(reversed(blocks))
+        if self.window is not None:
+            self.window.free(request.request_id)
 
     def blocks_of(self, request: Request) -> KVBlocks:
         """The request's blocks (still its own: nothing changes hands)."""
@@ -171,6 +208,8 @@ class KVCacheManager:
         """Forget the request's blocks without freeing them: the caller now owns their
         references (a KV connector holding them for another engine) and gives them
         back with ``free_blocks``."""
+        if self.window is not None:  # (start-up keeps the window off with a KV connector)
+            raise RuntimeError("blocks of a model with sliding-window layers cannot change hands")
         self.num_registered.pop(request.request_id, None)
         return KVBlocks(tuple(self.req_blocks.pop(request.request_id, ())), self.block_size)
 
@@ -181,8 +220,18 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """The block pool's reference counts and free queue agree with the request tables."""
         self.pool.check_invariants()
+        if self.window is not None:
+            self.window.pool.check_invariants()
+
+    def check_all_free(self) -> None:
+        """After every request ended: every block of every pool is free."""
+        self.pool.check_all_free()
+        if self.window is not None:
+            self.window.pool.check_all_free()
 
     def reset_prefix_cache(self) -> int:
+        if self.window is not None:
+            self.window.pool.reset_prefix_cache()
         return self.pool.reset_prefix_cache()
 
     def take_stats(self) -> PrefixCacheStats:

@@ -109,23 +109,25 @@ class Attention(nn.Module):
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
+        slots, tables = attn_metadata.slot_mapping, attn_metadata.block_tables
+        if self.sliding_window is not None and attn_metadata.window_block_tables is not None:
+            # This layer's KV lives in the sliding-window blocks (kv_cache/sliding.py).
+            slots, tables = attn_metadata.window_slot_mapping, attn_metadata.window_block_tables
         if self.rotary_dim is None:
             # Rotates q and k in place, then writes the rotated k and v into their cache slots.
-            self.ops.rotary_and_cache(
-                positions, q, k, v, cos_sin_cache, key_cache, value_cache, attn_metadata.slot_mapping
-            )
+            self.ops.rotary_and_cache(positions, q, k, v, cos_sin_cache, key_cache, value_cache, slots)
         else:  # partial rotary: the first rotary_dim of each head turn, the rest pass
             q, k = q.contiguous(), k.contiguous()
             rot = self.rotary_dim
             q_rot, k_rot = q[..., :rot].clone(), k[..., :rot].clone()
             self.ops.rotary_embedding(positions, q_rot, k_rot, cos_sin_cache)
             q[..., :rot], k[..., :rot] = q_rot, k_rot
-            self.ops.reshape_and_cache(k, v, key_cache, value_cache, attn_metadata.slot_mapping)
+            self.ops.reshape_and_cache(k, v, key_cache, value_cache, slots)
         args = (
             q,
             key_cache,
             value_cache,
-            attn_metadata.block_tables,
+            tables,
             attn_metadata.query_start_loc,
             attn_metadata.seq_lens,
             self.scale,
