@@ -18,6 +18,7 @@ from engine_service.distributed.parallel_state import Communicator
 from engine_service.distributed.sharding import ShardPlan
 from engine_service.models.decoder import DecoderForCausalLM, FusedLinear
 from engine_service.models.loader import WeightLoader, load_weights
+from engine_service.models.moe import MoEBlock
 from kernels.dispatch import KernelOps
 from tandem.protocol.model_config import ModelConfig
 
@@ -53,7 +54,10 @@ class ShardedDecoderForCausalLM(DecoderForCausalLM):
         self.vocab_size = plan.config.vocab_size
         for layer in self.layers:
             layer.self_attn.o_proj = RowParallelLinear(layer.self_attn.o_proj, comm)
-            layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj, comm)
+            if isinstance(layer.mlp, MoEBlock):
+                layer.mlp.all_reduce = comm.all_reduce
+            else:
+                layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj, comm)
         # The last rank's padding rows are never read (ids masked, logits cut off);
         # zeros keep them finite.
         with torch.no_grad():

@@ -24,12 +24,16 @@ from engine_service.models.loader import WeightTarget, weight_targets
 from tandem.protocol.model_config import ModelConfig
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)_proj\.(weight|bias)$")
+# An expert's (or the shared expert's) projection: gate_proj / up_proj / down_proj, or
+# Mixtral's w1 (gate), w3 (up), w2 (down).
+_EXPERT = re.compile(
+    r"^model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.(?:experts\.(\d+)|shared_expert)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
+)
+_EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
 
 def _unsplit_reason(config: ModelConfig) -> str | None:
     """Why this model's tensors cannot be sharded by name here, or None."""
-    if config.moe is not None:
-        return "mixture-of-experts layers"
     if config.features.fused_checkpoint:
         return "fused qkv_proj / gate_up_proj tensors"
     if config.features.qk_norm_whole:
@@ -57,6 +61,11 @@ class ShardPlan:
             )
         if config.intermediate_size % n:
             problems.append(f"intermediate_size={config.intermediate_size} is not divisible by it")
+        moe = config.moe
+        if moe is not None:
+            for name, size in (("expert", moe.intermediate_size), ("shared expert", moe.shared_intermediate_size)):
+                if size % n:
+                    problems.append(f"the {name} intermediate size {size} is not divisible by it")
         unsplit = _unsplit_reason(config)
         if unsplit:
             problems.append(f"{config.architecture} is not split yet ({unsplit})")
@@ -122,12 +131,21 @@ class ShardPlan:
     def local_config(self) -> ModelConfig:
         """The shard's shapes: the decoder built from it has exactly this rank's parameters
         (vocab_size is the padded shard's rows)."""
+        moe = self.config.moe
+        if moe is not None:  # experts split like the dense MLP: their intermediate columns
+            n = self.world_size
+            moe = dataclasses.replace(
+                moe,
+                intermediate_size=moe.intermediate_size // n,
+                shared_intermediate_size=moe.shared_intermediate_size // n,
+            )
         return dataclasses.replace(
             self.config,
             num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads,
             intermediate_size=self.intermediate_size,
             vocab_size=self.vocab_per_rank,
+            moe=moe,
         )
 
     def weight_targets(self) -> dict[str, WeightTarget]:
@@ -138,9 +156,12 @@ class ShardPlan:
         hd = self.config.head_dim
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             return dataclasses.replace(target, take=(0, self.vocab_start, self.vocab_stop))
+        expert = _EXPERT.match(name)
+        if expert is not None:
+            return self._shard_expert(target, expert.group(1), _EXPERT_PART[expert.group(2)])
         m = _LAYER.match(name)
         if m is None:
-            return target  # norms: whole
+            return target  # norms, routers: whole
         _, _, proj, kind = m.groups()
         q_rows, kv_rows, inter = self.num_heads * hd, self.num_kv_heads * hd, self.intermediate_size
         q_start = self.q_heads[0] * hd
@@ -159,3 +180,22 @@ class ShardPlan:
         if proj == "o":
             return dataclasses.replace(target, take=(1, q_start, q_start + q_rows))
         return dataclasses.replace(target, take=(1, self.rank * inter, (self.rank + 1) * inter))
+
+    def _shard_expert(self, target: WeightTarget, expert: str | None, part: str) -> WeightTarget:
+        """Expert ``expert`` (None: the shared expert) of a MoE layer: gate and up rows and
+        down columns ``[r*I/N, (r+1)*I/N)``, placed in the shard's stacked w13 / w2."""
+        moe = self.config.moe
+        assert moe is not None
+        n, r = self.world_size, self.rank
+        whole = moe.shared_intermediate_size if expert is None else moe.intermediate_size
+        inter = whole // n
+        span = (r * inter, (r + 1) * inter)
+        if expert is None:  # a dense MLP of its own: gate_up_proj rows [gate | up]
+            if part == "down":
+                return dataclasses.replace(target, take=(1, *span))
+            return dataclasses.replace(target, row_start=0 if part == "gate" else inter, take=(0, *span))
+        e = int(expert)
+        if part == "down":  # w2 rows [e*H, (e+1)*H), this rank's columns
+            return dataclasses.replace(target, take=(1, *span))
+        row_start = e * 2 * inter + (0 if part == "gate" else inter)
+        return dataclasses.replace(target, row_start=row_start, take=(0, *span))

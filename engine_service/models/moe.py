@@ -12,6 +12,8 @@ Expert weights are stacked, so a checkpoint's per-expert tensors land in row ran
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -85,6 +87,9 @@ class MoEBlock(nn.Module):
         if moe.shared_intermediate_size:
             self.shared_expert = MLP(config, ops, dtype, device, moe.shared_intermediate_size)
             self.shared_expert_gate = FusedLinear(h, 1, False, dtype, device)
+        # Tensor parallelism: each rank's experts hold a slice of the intermediate columns,
+        # so the output is a partial sum, all-reduced once (shared expert included).
+        self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         weights, ids = route(self.router(x), self.top_k, self.renormalize)
@@ -92,4 +97,4 @@ class MoEBlock(nn.Module):
         out = experts_forward(x, self.w13.view(e, -1, h), self.w2.view(e, h, -1), weights, ids)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return out if self.all_reduce is None else self.all_reduce(out)
