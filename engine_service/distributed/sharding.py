@@ -34,8 +34,6 @@ _EXPERT_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", 
 
 def _unsplit_reason(config: ModelConfig) -> str | None:
     """Why this model's tensors cannot be sharded by name here, or None."""
-    if config.features.fused_checkpoint:
-        return "fused qkv_proj / gate_up_proj tensors"
     if config.features.qk_norm_whole:
         return "RMSNorm over all of q and k"
     return None

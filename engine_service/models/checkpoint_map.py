@@ -64,13 +64,10 @@ def weight_targets(config: ModelConfig) -> dict[str, WeightTarget]:
 def _attention_targets(config: ModelConfig, src: str, dst: str, targets: dict[str, WeightTarget]) -> None:
     h, q, kv = config.hidden_size, config.q_size, config.kv_size
     f = config.features
-    if f.fused_checkpoint:  # Phi-3: qkv_proj as one tensor
-        targets[f"{src}.qkv_proj.weight"] = WeightTarget(f"{dst}.qkv_proj.weight", 0, (q + 2 * kv, h))
-    else:
-        for part, start, rows in (("q", 0, q), ("k", q, kv), ("v", q + kv, kv)):
-            targets[f"{src}.{part}_proj.weight"] = WeightTarget(f"{dst}.qkv_proj.weight", start, (rows, h))
-            if f.qkv_bias:
-                targets[f"{src}.{part}_proj.bias"] = WeightTarget(f"{dst}.qkv_proj.bias", start, (rows,))
+    for part, start, rows in (("q", 0, q), ("k", q, kv), ("v", q + kv, kv)):
+        targets[f"{src}.{part}_proj.weight"] = WeightTarget(f"{dst}.qkv_proj.weight", start, (rows, h))
+        if f.qkv_bias:
+            targets[f"{src}.{part}_proj.bias"] = WeightTarget(f"{dst}.qkv_proj.bias", start, (rows,))
     targets[f"{src}.o_proj.weight"] = WeightTarget(f"{dst}.o_proj.weight", 0, (h, q))
     if f.o_proj_bias:
         targets[f"{src}.o_proj.bias"] = WeightTarget(f"{dst}.o_proj.bias", 0, (h,))
@@ -89,13 +86,10 @@ def _mlp_targets(
     ``names``: the checkpoint's (gate, up, down) names when not gate_proj/up_proj/down_proj."""
     h, bias = config.hidden_size, config.features.mlp_bias
     gate, up, down = names or ("gate_proj", "up_proj", "down_proj")
-    if config.features.fused_checkpoint:
-        targets[f"{src}.gate_up_proj.weight"] = WeightTarget(f"{dst}.gate_up_proj.weight", 0, (2 * inter, h))
-    else:
-        for part, start in ((gate, 0), (up, inter)):
-            targets[f"{src}.{part}.weight"] = WeightTarget(f"{dst}.gate_up_proj.weight", start, (inter, h))
-            if bias:
-                targets[f"{src}.{part}.bias"] = WeightTarget(f"{dst}.gate_up_proj.bias", start, (inter,))
+    for part, start in ((gate, 0), (up, inter)):
+        targets[f"{src}.{part}.weight"] = WeightTarget(f"{dst}.gate_up_proj.weight", start, (inter, h))
+        if bias:
+            targets[f"{src}.{part}.bias"] = WeightTarget(f"{dst}.gate_up_proj.bias", start, (inter,))
     targets[f"{src}.{down}.weight"] = WeightTarget(f"{dst}.down_proj.weight", 0, (h, inter))
     if bias:
         targets[f"{src}.{down}.bias"] = WeightTarget(f"{dst}.down_proj.bias", 0, (h,))
@@ -119,3 +113,22 @@ def _moe_targets(config: ModelConfig, src: str, dst: str, targets: dict[str, Wei
     if moe.shared_intermediate_size:
         _mlp_targets(config, f"{block}.shared_expert", f"{dst}.shared_expert", moe.shared_intermediate_size, targets)
         targets[f"{block}.shared_expert_gate.weight"] = WeightTarget(f"{dst}.shared_expert_gate.weight", 0, (1, h))
+
+
+def fused_checkpoint_parts(config: ModelConfig) -> dict[str, list[tuple[str, int, int]]]:
+    """A checkpoint that stores projections fused (Phi-3's ``qkv_proj``, ``gate_up_proj``):
+    fused tensor name -> ``(name of the separate tensor, first row, rows)`` of each part.
+    The loader splits them into the separate names ``weight_targets`` maps, so tensor
+    parallelism and quantized formats see a Llama-shaped checkpoint. Empty for others."""
+    if not config.features.fused_checkpoint:
+        return {}
+    q, kv, inter = config.q_size, config.kv_size, config.intermediate_size
+    parts: dict[str, list[tuple[str, int, int]]] = {}
+    for i in range(config.num_layers):
+        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        parts[f"{attn}.qkv_proj.weight"] = [
+            (f"{attn}.q_proj.weight", 0, q), (f"{attn}.k_proj.weight", q, kv), (f"{attn}.v_proj.weight", q + kv, kv)
+        ]
+        if not config.is_moe_layer(i):
+            parts[f"{mlp}.gate_up_proj.weight"] = [(f"{mlp}.gate_proj.weight", 0, inter), (f"{mlp}.up_proj.weight", inter, inter)]
+    return parts

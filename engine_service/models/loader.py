@@ -18,7 +18,11 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from engine_service.models.checkpoint_map import WeightTarget, weight_targets
+from engine_service.models.checkpoint_map import (
+    WeightTarget,
+    fused_checkpoint_parts,
+    weight_targets,
+)
 from engine_service.models.decoder import DecoderForCausalLM
 from engine_service.models.gguf_weights import gguf_entries
 from engine_service.models.quant_formats import QuantizedTensors
@@ -79,6 +83,7 @@ class WeightLoader:
         self.int4_rows: dict[str, list[tuple[int, Int4Rows]]] = {}
         # Some tied checkpoints also store a copy of the embedding as lm_head.weight.
         self._skip_lm_head = config.tie_word_embeddings
+        self._fused = fused_checkpoint_parts(config)
         for name, target in self._targets.items():
             param = self._params.get(target.param)
             if param is None or target.row_start + target.num_rows > param.shape[0]:
@@ -92,6 +97,8 @@ class WeightLoader:
     def load_entries(self, source: str, entries: Iterable[tuple[str, tuple[int, ...], Reader]]) -> None:
         """Load ``(name, shape, read)`` triples from ``source`` (a file, for messages):
         ``read(take)`` returns the tensor, or only its ``take`` slice."""
+        if self._fused:
+            entries = _split_fused(entries, self._fused)
         for name, shape, read in entries:
             if _IGNORED.match(name) or (self._skip_lm_head and name == "lm_head.weight"):
                 continue
@@ -129,6 +136,41 @@ class WeightLoader:
 
 # read(take) -> the tensor, or its ``take`` slice ``(dim, start, stop)`` (None: all of it).
 Reader = Callable[[tuple[int, int, int] | None], torch.Tensor]
+
+
+def _split_fused(
+    entries: Iterable[tuple[str, tuple[int, ...], Reader]], fused: dict[str, list[tuple[str, int, int]]]
+) -> Iterator[tuple[str, tuple[int, ...], Reader]]:
+    """Fused tensors (``checkpoint_map.fused_checkpoint_parts``) as their separate parts;
+    the fused tensor is read once for all of them."""
+    for name, shape, read in entries:
+        parts = fused.get(name)
+        if parts is None:
+            yield name, shape, read
+            continue
+        whole: list[Any] = []  # the fused tensor, read on first use
+
+        def part_reader(start: int, rows: int, read: Reader = read, whole: list[Any] = whole) -> Reader:
+            def read_part(take: tuple[int, int, int] | None) -> torch.Tensor:
+                if not whole:
+                    whole.append(read(None))
+                tensor = whole[0]
+                if isinstance(tensor, (QuantizedRows, Int4Rows)):
+                    tensor = tensor.rows(torch.arange(start, start + rows))
+                    if take is None or take[0] == 0:
+                        return tensor if take is None else tensor.rows(torch.arange(take[1], take[2]))
+                    tensor = tensor.dequantize()  # a column slice of a quantized part: as float
+                else:
+                    tensor = tensor[start : start + rows]
+                if take is None:
+                    return tensor
+                dim, lo, hi = take
+                return tensor[lo:hi] if dim == 0 else tensor[:, lo:hi]
+
+            return read_part
+
+        for part_name, start, rows in parts:
+            yield part_name, (rows, *shape[1:]), part_reader(start, rows)
 
 
 def safetensors_entries(f: Any) -> Iterator[tuple[str, tuple[int, ...], Reader]]:
