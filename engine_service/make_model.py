@@ -25,7 +25,7 @@ from tandem.model_source import cache_dir as model_cache_dir
 Arch = Literal[
     "llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"
 ]
-PresetName = Literal["tiny", "hop", "demo", "bench-135m", "llama-1b"]
+PresetName = Literal["tiny", "hop", "demo", "bench-135m", "llama-1b", "mixtral-small", "mixtral-small-dense"]
 
 ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
@@ -88,6 +88,11 @@ PRESETS: dict[str, Preset] = {
     # Llama-3.2-1B's layers (16 x hidden 2048, 32/8 heads, MLP 8192) with bench-135m's
     # vocabulary: 1.07B parameters, 2.15 GB in bf16 (the GPU check's batch-1 decode).
     "llama-1b": Preset(2048, 16, 32, 8, 8192, 49152, 2048, 500000.0, 0.02, qwen3_head_dim=64),
+    # Mixtral 8x7B's proportions at a quarter of its width and depth (experts 3.5x hidden,
+    # 8 of them, top-2 with --arch mixtral): 0.77B parameters, 0.21B active a token.
+    "mixtral-small": Preset(1024, 8, 16, 4, 3584, 32000, 4096, 1000000.0, 0.02, qwen3_head_dim=64),
+    # The same active parameters as one dense MLP (--arch llama): intermediate 2 x 3584.
+    "mixtral-small-dense": Preset(1024, 8, 16, 4, 7168, 32000, 4096, 1000000.0, 0.02, qwen3_head_dim=64),
 }
 
 # Llama 3.1-style rope scaling of the tiny Llama: original context 256, so that several
