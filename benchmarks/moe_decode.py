@@ -27,8 +27,13 @@ MODELS = (("mixtral-small", "mixtral"), ("mixtral-small-dense", "llama"))
 
 
 def cpu_name() -> str:
+    """Model name, family/model and the vector extensions that pick the kernels."""
     with open("/proc/cpuinfo", encoding="utf-8") as f:
-        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
+        fields = dict(line.split(":", 1) for line in f.read().split("\n\n")[0].splitlines() if ":" in line)
+    info = {k.strip(): v.strip() for k, v in fields.items()}
+    flags = set(info.get("flags", "").split())
+    isa = [name for name in ("avx512f", "avx512_vnni", "avx512_bf16", "avx2") if name in flags]
+    return f"{info.get('model name', '?')} (family {info.get('cpu family', '?')} model {info.get('model', '?')}; {' '.join(isa)})"
 
 
 def decode_rate(core: EngineCore, batch: int, prompt_len: int, gen: int, vocab: int, seed: int) -> float:
