@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.protocol.model_families import ModelLoadError
+
 # quant_method -> what it loads (docs/models.md's "Quantized checkpoints" table lists these).
 SUPPORTED_METHODS: dict[str, str] = {
     "gptq": "4-bit GPTQ (v1 and v2 zero points, act-order)",
@@ -247,7 +249,4 @@ class _Fields:
 
 
 def _error(message: str) -> ValueError:
-    # model_config imports this module: its error class is imported when first needed.
-    from tandem.protocol.model_config import ModelLoadError
-
     return ModelLoadError(message)
