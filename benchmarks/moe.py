@@ -9,7 +9,8 @@ rounds; the calls alternate round by round, so a busy neighbour slows all alike)
 - ``native fp32`` / ``native int8``: ``kernels.moe.fused_moe`` on experts packed as float32
   panels / int8 panels (``ExpertWeights.pack("panel" | "panel_int8")``)
 - ``dense fp32`` / ``dense int8``: a dense SwiGLU MLP with the same active parameters
-  (intermediate k I) on the dense path's panel kernel (gate_up, silu_and_mul, down)
+  (intermediate k I) on the dense path's panel kernel (gate_up, silu_and_mul, down; the
+  panels on huge pages as the engine places them)
 - ``k MLPs fp32`` / ``k MLPs int8``: k dense MLPs of the expert's size one after another
   (a decode token's MoE run as k separate MLPs; the native op should not be slower)
 
@@ -52,7 +53,7 @@ SHAPES = {
 
 
 _FLUSH_BYTES = 128 << 20  # read between cold calls: more than any last-level cache here
-_MAX_REPS = 8  # calls per round and variant, at most
+_COLD_ROUNDS_PER_ROUND = 4  # cold: single calls, so more rounds
 
 
 def cpu_name() -> str:
@@ -68,10 +69,13 @@ def cpu_name() -> str:
 
 def _dense_mlp(hidden: int, inter: int, quantize: bool, gen: torch.Generator) -> Callable[[torch.Tensor], torch.Tensor]:
     from kernels import cpu_ops
-    from kernels.panel_linear import pack_panels, panel_linear
+    from kernels.panel_linear import onto_huge_pages, pack_panels, panel_linear
 
-    gate_up = pack_panels(torch.randn(2 * inter, hidden, generator=gen) / hidden**0.5, quantize)
-    down = pack_panels(torch.randn(hidden, inter, generator=gen) / inter**0.5, quantize)
+    # On huge pages, as the engine places them (and as ExpertWeights.pack places the experts).
+    gate_up, down = onto_huge_pages([
+        pack_panels(torch.randn(2 * inter, hidden, generator=gen) / hidden**0.5, quantize),
+        pack_panels(torch.randn(hidden, inter, generator=gen) / inter**0.5, quantize),
+    ])
 
     def run(x: torch.Tensor) -> torch.Tensor:
         return panel_linear(cpu_ops.silu_and_mul(panel_linear(x, gate_up, None)), down, None)
@@ -82,33 +86,36 @@ def _dense_mlp(hidden: int, inter: int, quantize: bool, gen: torch.Generator) ->
 def _time_rounds(
     calls: dict[str, Callable[[], object]], rounds: int, budget_s: float, cold: bool
 ) -> dict[str, tuple[float, float]]:
-    """(median, fastest) milliseconds per call of each, the calls alternated round by round.
-    ``cold``: every timed call comes right after a read of a buffer twice the last-level
-    cache (as in a decode step, whose layers' weights do not stay in cache between steps),
-    else calls repeat back to back."""
-    flush = torch.empty(_FLUSH_BYTES // 4, dtype=torch.float32).fill_(1.0) if cold else None
+    """(median, fastest) milliseconds per call of each, the calls alternated round by round
+    (a neighbour's load then slows all alike). ``cold``: one call of each a round, each
+    right after a read of a buffer larger than the last-level cache (as in a decode step,
+    whose layers' weights do not stay in cache between steps), ``_COLD_ROUNDS_PER_ROUND``
+    times ``rounds`` rounds; else calls repeat back to back, as many a round as ``budget_s``
+    allows."""
     for fn in calls.values():  # warm-up
         fn()
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    if cold:
+        flush = torch.ones(_FLUSH_BYTES // 4, dtype=torch.float32)
+        for _ in range(rounds * _COLD_ROUNDS_PER_ROUND):
+            for name, fn in calls.items():
+                flush.sum()
+                start = time.perf_counter()
+                fn()
+                samples[name].append((time.perf_counter() - start) * 1e3)
+        return {name: (statistics.median(s), min(s)) for name, s in samples.items()}
     reps: dict[str, int] = {}
     for name, fn in calls.items():
         start = time.perf_counter()
         fn()
         one = time.perf_counter() - start
-        reps[name] = max(1, min(_MAX_REPS, int(budget_s / rounds / len(calls) / max(one, 1e-6))))
-    samples: dict[str, list[float]] = {name: [] for name in calls}
+        reps[name] = max(1, int(budget_s / rounds / len(calls) / max(one, 1e-6)))
     for _ in range(rounds):
         for name, fn in calls.items():
-            if flush is None:
-                start = time.perf_counter()
-                for _ in range(reps[name]):
-                    fn()
-                samples[name].append((time.perf_counter() - start) * 1e3 / reps[name])
-                continue
+            start = time.perf_counter()
             for _ in range(reps[name]):
-                flush.sum()
-                start = time.perf_counter()
                 fn()
-                samples[name].append((time.perf_counter() - start) * 1e3)
+            samples[name].append((time.perf_counter() - start) * 1e3 / reps[name])
     return {name: (statistics.median(s), min(s)) for name, s in samples.items()}
 
 
@@ -154,7 +161,7 @@ def run_shape(shape: Shape, tokens: list[int], rounds: int, budget_s: float, col
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--budget", type=float, default=6.0, help="seconds per (shape, T) for all calls")
+    parser.add_argument("--budget", type=float, default=6.0, help="--hot: seconds per (shape, T) for all calls")
     parser.add_argument("--tokens", default="1,64")
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--hot", action="store_true", help="calls back to back (weights may stay in cache)")
