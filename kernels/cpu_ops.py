@@ -59,6 +59,7 @@ _SOURCES = [
         "panel_linear_cpu.cpp",
         "decode_layers_cpu.cpp",
         "huge_pages_cpu.cpp",
+        "moe_cpu.cpp",
     )
 ]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]

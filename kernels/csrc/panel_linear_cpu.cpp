@@ -1184,6 +1184,55 @@ void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& panels,
                   const at::Tensor& bias) {
   ::panel_linear(out, x, panels, scale, bias);
 }
+
+// The loops above one tile at a time, for callers that split the work themselves (the
+// grouped MoE kernel, moe_cpu.cpp). Contracts: cpu_kernels.h.
+static_assert(kPanelTilePanels == kTilePanels && kPanelLanes == kLanes, "cpu_kernels.h disagrees with this file");
+
+int64_t panel_row_chunk(int64_t k_size, bool int8) {
+  return int8 ? rows_per_chunk(((k_size + 1) / 2) * static_cast<int64_t>(sizeof(int32_t)), kInt8Rows)
+              : rows_per_chunk(k_size * static_cast<int64_t>(sizeof(float)), kMaxRows);
+}
+
+void panel_float_tile(int64_t rows, const float* x, int64_t ldx, const float* panels, int64_t panel_count,
+                      int64_t k_size, const float* scale, const float* bias, float* out, int64_t ldo, int64_t n0,
+                      int64_t n, const float* next) {
+  float_tile(rows, x, ldx, panels, panel_count, k_size, scale, bias, out, ldo, n0, n,
+             panel_count == kTilePanels ? next : nullptr);
+}
+
+void panel_quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k_size, int32_t* xq, float* xs) {
+  quantize_rows(x, ldx, m, k_size, xq, xs);
+}
+
+void panel_int8_tile(int64_t rows, const int32_t* xq, int64_t k2, const float* xs, int64_t nb, const int8_t* panels,
+                     int64_t panel_count, const float* scale, const float* bias, float* out, int64_t ldo, int64_t n0,
+                     int64_t n) {
+  const Int8Scale sc{scale, nullptr, kBlockPairs, 1};
+  if (panel_count == kTilePanels)
+    int8_rows_kernel<kTilePanels, false>(rows, xq, k2, xs, nb, panels, sc, bias, out, ldo, n0, n);
+  else
+    int8_rows_kernel<1, false>(rows, xq, k2, xs, nb, panels, sc, bias, out, ldo, n0, n);
+}
+
+bool panel_int8_tile_as_float(int64_t rows, const float* x, int64_t ldx, const int8_t* panels, int64_t panel_count,
+                              int64_t k_size, const float* scale, const float* bias, float* out, int64_t ldo,
+                              int64_t n0, int64_t n) {
+#if defined(TANDEM_AVX2_FLOAT)
+  thread_local std::vector<float> tile_buffer;
+  tile_buffer.resize(kTilePanels * k_size * kLanes);
+  const int64_t k2 = (k_size + 1) / 2;
+  dequantize_panels(panels, panel_count, k2, k_size, scale + n0, nullptr, 1, k2, tile_buffer.data());
+  float_tile(rows, x, ldx, tile_buffer.data(), panel_count, k_size, nullptr, bias, out, ldo, n0, n, nullptr);
+  return true;
+#else
+  (void)rows, (void)x, (void)ldx, (void)panels, (void)panel_count, (void)k_size, (void)scale, (void)bias, (void)out,
+      (void)ldo, (void)n0, (void)n;
+  return false;
+#endif
+}
+
+int64_t panel_int8_as_float_rows() { return ::panel_int8_float_rows(); }
 }  // namespace tandem_cpu
 
 TORCH_LIBRARY_FRAGMENT(tandem_cpu, m) {
