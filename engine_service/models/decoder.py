@@ -255,6 +255,9 @@ class DecoderForCausalLM(nn.Module):
         ``lm_head_screen`` (float32 panels only): also keep an int8 copy of the LM head
         (another quarter) through which greedy steps find the argmax (``greedy_tokens``).
         """
+        for module in self.modules():
+            if isinstance(module, MoEBlock):
+                module.pack(layout)  # its router and shared expert are FusedLinears, packed below
         linears = [module for module in self.modules() if isinstance(module, FusedLinear)]
         if layout in ("panel", "panel_int8"):
             self._pack_panels(linears, quantize=layout == "panel_int8")
