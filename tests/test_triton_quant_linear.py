@@ -228,8 +228,8 @@ def case_model_packed(seed: int, model_dir: str) -> dict[str, Any]:
     moved = [getattr(linear.packed, f) for f in linear._tensor_fields]
     assert all(t.device.type == "meta" for t in moved), "packed tensors did not follow .to()"
     return {
-        "packed": sorted(p.param for p in plans if p.rows is not None),
-        "dense": sorted(p.param for p in plans if p.rows is None),
+        "packed": sorted(p.param for p in plans if p.packable),
+        "dense": sorted(p.param for p in plans if not p.packable),
         "packed_bytes": packed_bytes,
         "dense_bytes": dense_bytes,
     }
@@ -431,12 +431,12 @@ def test_which_layers_get_packed(case: str, checkpoints: Any) -> None:
     assert set(plans) == _linears(model) - float_layers
     for name, plan in plans.items():
         if name in dense:
-            assert plan.rows is None and dense[name] in plan.reason, (name, plan.reason)
+            assert not plan.packable and dense[name] in plan.reason, (name, plan.reason)
             continue
-        assert plan.rows is not None, (name, plan.reason)
+        assert plan.packable, (name, plan.reason)
         params = dict(model.named_parameters())
         # the merged rows are the parameter's own (the dense copy is their dequantized values)
-        assert torch.equal(plan.rows.dequantize(), params[name].float()), name
+        assert torch.equal(plan.merged().dequantize(), params[name].float()), name
         assert plan.kind == ("fp8" if spec.method == "fp8" else "int4")
 
 
@@ -479,6 +479,8 @@ def test_merge_parts() -> None:
     assert "overlap" in merge_parts([(0, a), (4, b)], 12)  # type: ignore[operator]
     other_group = _int4_rows(gen, 4, 64, 64, False)
     assert "group" in merge_parts([(0, a), (8, other_group)], 12)  # type: ignore[operator]
+    assert isinstance(merge_parts([(0, other_group)], 4), Int4Rows)  # 64: a multiple of 32
+    assert "multiple of 32" in merge_parts([(0, _int4_rows(gen, 4, 64, 16, False))], 4)  # type: ignore[operator]
     p = torch.randperm(64, generator=gen)
     with_perm = [Int4Rows(r.codes, r.scales, r.mins, 32, p) for r in (a, b)]
     assert isinstance(merge_parts([(0, with_perm[0]), (8, with_perm[1])], 12), Int4Rows)
@@ -492,3 +494,5 @@ def test_merge_parts() -> None:
     assert isinstance(fb, Fp8Rows) and fb.per_channel and fb.scales.shape == (12, 1)
     assert torch.equal(fb.dequantize(), torch.cat([f1.float() * 0.5, f2.float() * 0.25]))
     assert "formats" in merge_parts([(0, a), (8, Fp8Rows(f2, torch.tensor([1.0])))], 12)  # type: ignore[operator]
+    e5m2 = Fp8Rows(torch.zeros(4, 16, dtype=torch.float8_e5m2), torch.tensor([1.0]))
+    assert "float8_e5m2" in merge_parts([(0, e5m2)], 4)  # type: ignore[operator]

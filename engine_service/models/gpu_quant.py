@@ -69,13 +69,24 @@ class PackPlan:
 
     param: str  # parameter name, e.g. "layers.0.self_attn.qkv_proj.weight"
     kind: str  # "int4" or "fp8"
-    rows: Int4Rows | Fp8Rows | None  # the merged parts; None: stays dense
-    reason: str = ""  # why it stays dense
+    num_rows: int
+    parts: Parts  # as the loader collected them
+    reason: str = ""  # why it stays dense; "": packed
+
+    @property
+    def packable(self) -> bool:
+        return not self.reason
+
+    def merged(self) -> Int4Rows | Fp8Rows:
+        rows = merge_parts(self.parts, self.num_rows)
+        assert not isinstance(rows, str), rows
+        return rows
 
 
-def merge_parts(parts: Parts, num_rows: int) -> Int4Rows | Fp8Rows | str:
-    """One parameter's parts concatenated in row order, or why they cannot be: they must
-    cover rows ``[0, num_rows)`` exactly, be of one kind, and (4-bit) share group and perm."""
+def check_parts(parts: Parts, num_rows: int) -> str | None:
+    """None when ``merge_parts`` can join one parameter's parts, else why not: they must
+    cover rows ``[0, num_rows)`` exactly, in one format, and (4-bit) share the group size
+    (a multiple of ``INT4_GROUP_MULTIPLE`` dividing K) and the act-order permutation."""
     parts = sorted(parts, key=lambda part: part[0])
     expected = 0
     for start, rows in parts:
@@ -88,43 +99,48 @@ def merge_parts(parts: Parts, num_rows: int) -> Int4Rows | Fp8Rows | str:
     if len(kinds) != 1:
         return "parts of different formats"
     if kinds == {Fp8Rows}:
-        return _merge_fp8([rows for _, rows in parts])
-    return _merge_int4([rows for _, rows in parts])
-
-
-def _merge_int4(parts: list[Int4Rows]) -> Int4Rows | str:
-    first = parts[0]
-    if len(parts) == 1:
-        return first
-    if any(p.group != first.group for p in parts):
-        return f"parts have different group sizes {sorted({p.group for p in parts})}"
-    perms = [p.perm for p in parts]
+        dtypes = {rows.values.dtype for _, rows in parts}
+        return None if dtypes == {torch.float8_e4m3fn} else f"values are {sorted(map(str, dtypes))}"
+    first = parts[0][1]
+    if any(rows.group != first.group for _, rows in parts):
+        return f"parts have different group sizes {sorted({rows.group for _, rows in parts})}"
+    perms = [rows.perm for _, rows in parts]
     if any(p is None for p in perms) != all(p is None for p in perms) or (
         first.perm is not None and any(not torch.equal(p, first.perm) for p in perms)  # type: ignore[arg-type]
     ):
         return "parts have different act-order permutations"
+    k = first.shape[1]
+    if first.group % INT4_GROUP_MULTIPLE or k % first.group:
+        return f"group {first.group} is not a multiple of {INT4_GROUP_MULTIPLE} dividing K = {k}"
+    return None
+
+
+def merge_parts(parts: Parts, num_rows: int) -> Int4Rows | Fp8Rows | str:
+    """One parameter's parts concatenated in row order, or why they cannot be (``check_parts``)."""
+    why = check_parts(parts, num_rows)
+    if why is not None:
+        return why
+    rows = [r for _, r in sorted(parts, key=lambda part: part[0])]
+    if len(rows) == 1:
+        return rows[0]
+    if isinstance(rows[0], Fp8Rows):
+        values = torch.cat([r.values for r in rows])
+        first = rows[0].scales
+        if not any(r.per_channel for r in rows) and all(torch.equal(r.scales, first) for r in rows):
+            return Fp8Rows(values, first)  # one per-tensor scale stays one
+        return Fp8Rows(values, torch.cat([r.row_scales() for r in rows]))
     return Int4Rows(
-        torch.cat([p.codes for p in parts]),
-        torch.cat([p.scales for p in parts]),
-        torch.cat([p.mins for p in parts]),
-        first.group,
-        first.perm,
+        torch.cat([r.codes for r in rows]),
+        torch.cat([r.scales for r in rows]),
+        torch.cat([r.mins for r in rows]),
+        rows[0].group,
+        rows[0].perm,
     )
-
-
-def _merge_fp8(parts: list[Fp8Rows]) -> Fp8Rows:
-    if len(parts) == 1:
-        return parts[0]
-    values = torch.cat([p.values for p in parts])
-    first = parts[0].scales
-    if not any(p.per_channel for p in parts) and all(torch.equal(p.scales, first) for p in parts):
-        return Fp8Rows(values, first)
-    return Fp8Rows(values, torch.cat([p.row_scales() for p in parts]))
 
 
 def plan_quantized(model: nn.Module) -> list[PackPlan]:
     """For each ``FusedLinear`` weight (still dense) with quantized parts, what
-    ``pack_quantized_cuda`` does: pack the merged rows, or leave it dense and why."""
+    ``pack_quantized_cuda`` does: pack its merged parts, or leave it dense and why."""
     int4: dict[str, Parts] = getattr(model, "int4_rows", None) or {}
     fp8: dict[str, Parts] = getattr(model, "fp8_rows", None) or {}
     plans = []
@@ -136,26 +152,9 @@ def plan_quantized(model: nn.Module) -> list[PackPlan]:
         if not parts:
             continue
         kind = "fp8" if isinstance(parts[0][1], Fp8Rows) else "int4"
-        merged = merge_parts(parts, module.weight.shape[0])
-        if isinstance(merged, str):
-            plans.append(PackPlan(param, kind, None, merged))
-            continue
-        why = _int4_packable(merged) if isinstance(merged, Int4Rows) else _fp8_packable(merged)
-        plans.append(PackPlan(param, kind, None if why else merged, why or ""))
+        num_rows = module.weight.shape[0]
+        plans.append(PackPlan(param, kind, num_rows, parts, check_parts(parts, num_rows) or ""))
     return plans
-
-
-def _int4_packable(rows: Int4Rows) -> str | None:
-    k = rows.shape[1]
-    if rows.group % INT4_GROUP_MULTIPLE or k % rows.group:
-        return f"group {rows.group} is not a multiple of {INT4_GROUP_MULTIPLE} dividing K = {k}"
-    return None
-
-
-def _fp8_packable(rows: Fp8Rows) -> str | None:
-    if rows.values.dtype != torch.float8_e4m3fn:
-        return f"values are {rows.values.dtype}, not float8_e4m3fn"
-    return None
 
 
 def pack_quantized_cuda(model: nn.Module, device: torch.device | str | None = None) -> list[PackPlan]:
@@ -163,30 +162,29 @@ def pack_quantized_cuda(model: nn.Module, device: torch.device | str | None = No
     ``device`` (default: where the weight is; CUDA, or CPU under the Triton interpreter)
     and drop the dense weight; then empty ``int4_rows`` and ``fp8_rows`` (nothing else reads
     them on CUDA). Returns the plan it followed."""
-    from kernels.triton_quant_linear import pack_fp8, pack_int4  # imports triton
-
     plans = plan_quantized(model)
+    if any(plan.packable for plan in plans):
+        from kernels.triton_quant_linear import pack_fp8, pack_int4  # imports triton
     modules = dict(model.named_modules())
-    packed_bytes = dense_bytes = 0
+    packed_bytes = dense_bytes = done = 0
     for plan in plans:
-        module = modules[plan.param.removesuffix(".weight")]
-        if plan.rows is None:
+        if not plan.packable:
             logger.info("%s stays dense on the GPU: %s", plan.param, plan.reason)
             continue
+        module = modules[plan.param.removesuffix(".weight")]
         weight = module.weight
         target = weight.device if device is None else torch.device(device)
-        if isinstance(plan.rows, Int4Rows):
-            packed = pack_int4(plan.rows, target)
-        else:
-            packed = pack_fp8(plan.rows.values, plan.rows.scales, target)
+        rows = plan.merged()  # a copy for fused parameters: one layer's at a time
+        packed = pack_int4(rows, target) if isinstance(rows, Int4Rows) else pack_fp8(rows.values, rows.scales, target)
+        del rows
         dense_bytes += weight.nbytes
         packed_bytes += packed.nbytes
+        done += 1
         module.weight = None
         module.packed_weight = QuantizedLinearWeight(packed)
     model.int4_rows = {}
     model.fp8_rows = {}
-    if packed_bytes:
-        done = sum(plan.rows is not None for plan in plans)
+    if done:
         logger.info(
             "%d quantized linear weights packed for the GPU: %.1f MiB instead of %.1f MiB dense",
             done, packed_bytes / 2**20, dense_bytes / 2**20,
