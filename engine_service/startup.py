@@ -249,9 +249,13 @@ class ModelLoader:
         if self.executor is not None:
             shard = load_shard(cfg, self.executor.comm, self.executor.device)
             return shard, shard.plan.config
+        cuda = cfg.torch_device.type == "cuda"
         model, model_config = load_model(
-            cfg.model, cfg.torch_dtype, cfg.torch_device, ops, keep_int8=cfg.keep_int8_checkpoint_weights
+            cfg.model, cfg.torch_dtype, cfg.torch_device, ops, keep_int8=cfg.keep_int8_checkpoint_weights,
+            keep_fp8=cuda,
         )
+        if cuda:  # 4-bit and FP8 checkpoint weights stay quantized (models/gpu_quant.py)
+            model.pack_quantized_cuda()
         if cfg.linear_layout != "torch":
             model.pack_linears(cfg.linear_layout, lm_head_screen=cfg.lm_head_screen)
         model.native_decode = (

@@ -22,6 +22,8 @@ _TRITON_DTYPE_NAMES = {
     torch.bfloat16: "bf16",
     torch.int32: "i32",
     torch.int64: "i64",
+    torch.uint8: "u8",
+    torch.float8_e4m3fn: "fp8e4nv",
 }
 
 

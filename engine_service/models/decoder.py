@@ -32,7 +32,7 @@ from engine_service.models.layers import (
     packed_matmul,
 )
 from engine_service.models.moe import MoEBlock
-from engine_service.models.quantized import Q8_0_GROUP, Int4Rows, QuantizedRows
+from engine_service.models.quantized import Q8_0_GROUP, Fp8Rows, Int4Rows, QuantizedRows
 from engine_service.models.rotary import build_cos_sin_cache
 from kernels.dispatch import KernelOps
 from kernels.panel_linear import (
@@ -234,6 +234,8 @@ class DecoderForCausalLM(nn.Module):
         self.int8_rows: dict[str, list[tuple[int, QuantizedRows]]] = {}
         # The same for 4-bit matrices (quantized.Int4Rows): GGUF Q4_*, GPTQ, AWQ.
         self.int4_rows: dict[str, list[tuple[int, Int4Rows]]] = {}
+        # The same for FP8 matrices, when loaded with keep_fp8 (quantized.Fp8Rows).
+        self.fp8_rows: dict[str, list[tuple[int, Fp8Rows]]] = {}
         # float32 panel LM head: its int8 screen for greedy steps (see greedy_tokens)
         self.lm_head_screen: ArgmaxScreen | None = None
         # Decode-only steps run every layer in one native call when all linear layers are
@@ -309,6 +311,13 @@ class DecoderForCausalLM(nn.Module):
         values = torch.cat([rows.values for _, rows in parts])
         scales = torch.cat([rows.scales for _, rows in parts])
         return pack_panels_grouped(values, scales, Q8_0_GROUP)
+
+    def pack_quantized_cuda(self, device: torch.device | str | None = None) -> list:
+        """CUDA: linear layers whose weights came as 4-bit or FP8 rows take the Triton
+        kernels' packed weights and drop the dense ones (see models/gpu_quant.py)."""
+        from engine_service.models.gpu_quant import pack_quantized_cuda
+
+        return pack_quantized_cuda(self, device)
 
     @staticmethod
     def _place_screen(screen: ArgmaxScreen | None) -> ArgmaxScreen | None:

@@ -32,6 +32,8 @@ def packed_matmul(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | No
     """``x @ W.T + bias`` for a weight from ``pack_linear_weight``."""
     if isinstance(packed, PanelWeight):
         return panel_linear(x, packed, bias)
+    if not isinstance(packed, torch.Tensor):  # a quantized CUDA weight (gpu_quant.QuantizedLinearWeight)
+        return packed.linear(x, bias)
     return packed_linear(x, packed, bias)
 
 

@@ -26,7 +26,7 @@ from engine_service.models.checkpoint_map import (
 from engine_service.models.decoder import DecoderForCausalLM
 from engine_service.models.gguf_weights import gguf_entries
 from engine_service.models.quant_formats import QuantizedTensors
-from engine_service.models.quantized import Int4Rows, QuantizedRows
+from engine_service.models.quantized import Fp8Rows, Int4Rows, QuantizedRows
 from kernels.dispatch import KernelOps
 from tandem.gguf_metadata import read_pointer
 from tandem.protocol.model_config import ModelConfig, ModelLoadError
@@ -81,6 +81,8 @@ class WeightLoader:
         self.int8_rows: dict[str, list[tuple[int, QuantizedRows]]] = {}
         # The same for 4-bit matrices (GGUF Q4_*, GPTQ, AWQ), in their common form.
         self.int4_rows: dict[str, list[tuple[int, Int4Rows]]] = {}
+        # The same for FP8 matrices read as stored (``load_weights(keep_fp8=True)``).
+        self.fp8_rows: dict[str, list[tuple[int, Fp8Rows]]] = {}
         # Some tied checkpoints also store a copy of the embedding as lm_head.weight.
         self._skip_lm_head = config.tie_word_embeddings
         self._fused = fused_checkpoint_parts(config)
@@ -122,6 +124,9 @@ class WeightLoader:
             elif isinstance(tensor, Int4Rows):
                 self.int4_rows.setdefault(target.param, []).append((target.row_start, tensor))
                 tensor = tensor.dequantize()
+            elif isinstance(tensor, Fp8Rows):
+                self.fp8_rows.setdefault(target.param, []).append((target.row_start, tensor))
+                tensor = tensor.dequantize()
             rows.copy_(tensor)  # casts to the parameter's dtype and device
             if target.offset:
                 rows.add_(target.offset)
@@ -155,7 +160,7 @@ def _split_fused(
                 if not whole:
                     whole.append(read(None))
                 tensor = whole[0]
-                if isinstance(tensor, (QuantizedRows, Int4Rows)):
+                if isinstance(tensor, (QuantizedRows, Int4Rows, Fp8Rows)):
                     tensor = tensor.rows(torch.arange(start, start + rows))
                     if take is None or take[0] == 0:
                         return tensor if take is None else tensor.rows(torch.arange(take[1], take[2]))
@@ -211,10 +216,13 @@ def _taking(read: Callable[[bool], Any], keep_int8: bool) -> Reader:
     return read_take
 
 
-def load_weights(loader: WeightLoader, model_dir: str, config: ModelConfig, keep_int8: bool = False) -> None:
+def load_weights(
+    loader: WeightLoader, model_dir: str, config: ModelConfig, keep_int8: bool = False, keep_fp8: bool = False
+) -> None:
     """Fill ``loader``'s model from ``model_dir``: its safetensors files, or the GGUF file its
     ``gguf.json`` names (a GGUF sidecar, see ``tandem.model_source``); then check nothing is
-    missing. ``keep_int8``: GGUF Q8_0 matrices also land in ``loader.int8_rows``."""
+    missing. ``keep_int8``: GGUF Q8_0 matrices also land in ``loader.int8_rows``;
+    ``keep_fp8``: FP8 checkpoint matrices in ``loader.fp8_rows``."""
     pointer = read_pointer(model_dir)
     with torch.no_grad():
         if pointer is not None:
@@ -223,19 +231,19 @@ def load_weights(loader: WeightLoader, model_dir: str, config: ModelConfig, keep
                 raise ModelLoadError(f"{model_dir}: its GGUF file {gguf_file!r} is gone")
             loader.load_entries(gguf_file, gguf_reader_entries(gguf_file, config, keep_int8))
         elif config.quantization is not None:
-            _load_quantized(loader, checkpoint_files(model_dir), config)
+            _load_quantized(loader, checkpoint_files(model_dir), config, keep_fp8)
         else:
             for path in checkpoint_files(model_dir):
                 loader.load_file(path)
     loader.check_complete(model_dir)
 
 
-def _load_quantized(loader: WeightLoader, files: list[str], config: ModelConfig) -> None:
+def _load_quantized(loader: WeightLoader, files: list[str], config: ModelConfig, keep_fp8: bool = False) -> None:
     """A GPTQ, AWQ or FP8 checkpoint (quant_formats.py): float tensors load as they come,
     then each quantized layer's tensors, which may straddle files, as one ``<layer>.weight``
     (every file stays open until then)."""
     assert config.quantization is not None
-    tensors = QuantizedTensors(config.quantization, wanted=weight_targets(config))
+    tensors = QuantizedTensors(config.quantization, wanted=weight_targets(config), keep_fp8=keep_fp8)
     with contextlib.ExitStack() as stack:
         for path in files:
             f = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
@@ -250,10 +258,12 @@ def load_model(
     device: torch.device | str = "cpu",
     ops: KernelOps | None = None,
     keep_int8: bool = False,
+    keep_fp8: bool = False,
 ) -> tuple[DecoderForCausalLM, ModelConfig]:
     """Build the model for ``model_dir`` in ``dtype`` on ``device``, weights loaded, eval mode.
     ``keep_int8``: the checkpoint's int8 matrices (GGUF Q8_0) are handed to the model as
-    stored (``DecoderForCausalLM.int8_rows``), for ``pack_linears`` to pack as they are."""
+    stored (``DecoderForCausalLM.int8_rows``), for ``pack_linears`` to pack as they are.
+    ``keep_fp8``: FP8 checkpoint matrices also as stored (``fp8_rows``), for the CUDA kernel."""
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
     if ops is None:
@@ -266,7 +276,8 @@ def load_model(
         checkpoint_files(model_dir)  # a missing weight file is named before memory is allocated
     model = DecoderForCausalLM(config, ops, dtype, device)
     loader = WeightLoader(model, config)
-    load_weights(loader, model_dir, config, keep_int8)
+    load_weights(loader, model_dir, config, keep_int8, keep_fp8)
     model.int8_rows = loader.int8_rows
     model.int4_rows = loader.int4_rows
+    model.fp8_rows = loader.fp8_rows
     return model.eval(), config

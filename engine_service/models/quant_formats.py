@@ -11,7 +11,8 @@ tensors) and hands the loader ONE entry ``<layer>.weight`` with the float weight
   dequantized values, so today these models run in float.
 - compressed-tensors FP8 (``weight`` in float8_e4m3fn, ``weight_scale``; ``input_scale``
   is dropped: activations stay float): ``read`` returns ``weight.float() * weight_scale``,
-  dequantized at load.
+  dequantized at load; with ``keep_fp8`` (the CUDA start-up asks for it) ``Fp8Rows``, the
+  codes and scales as stored, which the loader keeps in ``fp8_rows`` beside the float copy.
 
 Every other tensor (embeddings, norms, the LM head, biases, layers left in float) passes
 through unchanged.
@@ -54,7 +55,7 @@ from typing import Any
 
 import torch
 
-from engine_service.models.quantized import Int4Rows
+from engine_service.models.quantized import Fp8Rows, Int4Rows
 from tandem.protocol.model_config import ModelLoadError
 from tandem.protocol.quantization import QuantizationConfig
 
@@ -103,10 +104,12 @@ class QuantizedTensors:
     layers), as vLLM does."""
 
     def __init__(
-        self, quantization: QuantizationConfig, wanted: Container[str] | None = None
+        self, quantization: QuantizationConfig, wanted: Container[str] | None = None,
+        keep_fp8: bool = False,
     ) -> None:
         self.quantization = quantization
         self.wanted = wanted
+        self.keep_fp8 = keep_fp8  # FP8 layers read as Fp8Rows (stored codes and scales)
         self._parts = _GROUP_PARTS[quantization.method]
         # FP8: a layer's weight is held until we know whether a weight_scale goes with it.
         self._held_part = "bias" if quantization.is_int4 else "weight"
@@ -209,12 +212,17 @@ class QuantizedTensors:
                 f"(per tensor) or [{n}, 1] (per channel)"
             )
 
-        def read(take: Take) -> torch.Tensor:
+        keep = self.keep_fp8
+
+        def read(take: Take) -> torch.Tensor | Fp8Rows:
             s = scale.read(None).float()
             s = s.reshape(-1, 1) if per_channel else s.reshape(())
             if per_channel and take is not None and take[0] == 0:
                 s = s[take[1] : take[2]]
-            return fp8_weight(weight.read(take), s)
+            values = weight.read(take)
+            if keep and values.dtype == torch.float8_e4m3fn:
+                return Fp8Rows(values, s.contiguous() if per_channel else s.reshape(1))
+            return fp8_weight(values, s)
 
         return weight.source, (f"{prefix}.weight", weight.shape, read)
 

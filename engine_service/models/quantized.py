@@ -77,3 +77,30 @@ class Int4Rows:
             self.group,
             self.perm,
         )
+
+
+@dataclass(frozen=True)
+class Fp8Rows:
+    """An FP8 matrix as a compressed-tensors checkpoint stores it, when the loader is asked
+    to hand it over as stored (``keep_fp8``; the CUDA kernel takes it, see gpu_quant.py):
+    ``values`` float8_e4m3fn ``[N, K]``, ``scales`` float32 ``[1]`` (per tensor) or
+    ``[N, 1]`` (per output channel); the weight is ``values.float() * scales``."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def per_channel(self) -> bool:
+        return self.scales.dim() == 2
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 ``[N, K]``."""
+        return self.values.float() * self.scales
+
+    def rows(self, index: torch.Tensor) -> Fp8Rows:
+        scales = self.scales[index].contiguous() if self.per_channel else self.scales
+        return Fp8Rows(self.values[index].contiguous(), scales)
+
+    def row_scales(self) -> torch.Tensor:
+        """float32 ``[N, 1]``: each row's scale (a per-tensor scale repeated)."""
+        return self.scales.expand(self.values.shape[0], 1).contiguous() if not self.per_channel else self.scales
