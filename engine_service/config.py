@@ -184,11 +184,14 @@ class EngineConfig:
     quantization: Literal["auto", "none", "int8"] = field(
         default="auto",
         metadata={
-            "help": "Weight-only int8 (activations stay float32; CPU, float32, panel linear "
-            "backend). auto: a GGUF file's Q8_0 matrices stay int8 with their own per-32 "
-            "scales where the linears are panels, everything else as loaded; int8: also every "
-            "other linear layer and the LM head, quantized at load with one scale per output "
-            "channel; none: float weights only (Q8_0 dequantized). Default auto."
+            "help": "Quantized weights (CPU, float32, panel linear backend). auto: a GGUF file's "
+            "Q8_0 / Q6_K matrices stay int8 with their own group scales, and its Q4_* / Q5_* "
+            "ones 4- or 5-bit with their own per-32 scales and mins (the 4-bit kernel quantizes "
+            "activations per 32 columns to two int8 parts, ~16 bits), where the linears are "
+            "panels; everything else as loaded; int8: also every other linear layer and the LM "
+            "head, quantized at load to int8 with one scale per output channel (4-bit matrices "
+            "stay 4-bit); none: float weights only (every quantized matrix dequantized at load: "
+            "the reference to compare with). Default auto."
         },
     )
     max_pending_requests: int | None = field(
@@ -506,6 +509,13 @@ class EngineConfig:
             and self.tensor_parallel_size == 1
             and self.linear_layout in ("panel", "panel_int8")
         )
+
+    @cached_property
+    def keep_int4_checkpoint_weights(self) -> bool:
+        """Load a checkpoint's 4- and 5-bit matrices (GGUF Q4_0, Q4_1, Q4_K, Q5_0, Q5_1,
+        Q5_K) as 4-bit panels with their own scales and mins rather than dequantized: where
+        int8 ones are kept (CPU, float32 panels, one rank; see ``quantization``)."""
+        return self.keep_int8_checkpoint_weights
 
     def _check_panel_backend(self) -> None:
         import torch

@@ -253,6 +253,7 @@ class ModelLoader:
         model, model_config = load_model(
             cfg.model, cfg.torch_dtype, cfg.torch_device, ops, keep_int8=cfg.keep_int8_checkpoint_weights,
             keep_fp8=cuda,
+            keep_int4=cfg.keep_int4_checkpoint_weights,
         )
         if cuda:  # 4-bit and FP8 checkpoint weights stay quantized (models/gpu_quant.py)
             model.pack_quantized_cuda()

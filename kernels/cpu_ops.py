@@ -57,6 +57,7 @@ _SOURCES = [
         "paged_attention_cpu.cpp",
         "prefill_attention_cpu.cpp",
         "panel_linear_cpu.cpp",
+        "int4_linear_cpu.cpp",
         "decode_layers_cpu.cpp",
         "huge_pages_cpu.cpp",
         "moe_cpu.cpp",

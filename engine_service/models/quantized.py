@@ -1,4 +1,5 @@
-"""Matrices kept as int8 with group scales (GGUF Q8_0), as the loader hands them over.
+"""Matrices kept as int8 with group scales (GGUF Q8_0, Q5_0, Q6_K) or as 4-bit codes with
+group scales and mins (GGUF Q4_*), as the loader hands them over.
 
 The GGUF reader (gguf_weights.py) produces them, the weight loader (loader.py) collects
 them per parameter, and the decoder (decoder.py) packs them into grouped int8 panels.
@@ -15,17 +16,19 @@ Q8_0_GROUP = 32  # k per Q8_0 block (one float16 scale, 32 int8 values)
 
 @dataclass(frozen=True)
 class QuantizedRows:
-    """A Q8_0 matrix as it is stored: ``values`` int8 ``[N, K]``, ``scales`` float32
-    ``[N, K / 32]``; the weight is ``values * scales.repeat_interleave(32, dim=1)``."""
+    """An int8 matrix with group scales as it is stored (Q8_0: its values; Q5_0, Q6_K: their
+    5- or 6-bit values less 16 or 32): ``values`` int8 ``[N, K]``, ``scales`` float32
+    ``[N, K / group]``; the weight is ``values * scales.repeat_interleave(group, dim=1)``."""
 
     values: torch.Tensor
     scales: torch.Tensor
+    group: int = Q8_0_GROUP
 
     def dequantize(self) -> torch.Tensor:
-        return self.values.float() * self.scales.repeat_interleave(Q8_0_GROUP, dim=1)
+        return self.values.float() * self.scales.repeat_interleave(self.group, dim=1)
 
     def rows(self, index: torch.Tensor) -> QuantizedRows:
-        return QuantizedRows(self.values[index].contiguous(), self.scales[index].contiguous())
+        return QuantizedRows(self.values[index].contiguous(), self.scales[index].contiguous(), self.group)
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,9 @@ class Int4Rows:
     - ``perm``: int64 ``[K]`` or None. With it the matrix above is the checkpoint's weight
       with its input columns reordered (GPTQ act-order sorted by group):
       ``y = x[:, perm] @ weight.T``; ``dequantize`` returns the checkpoint's own order.
+    - ``high``: uint8 ``[N, K / 8]`` or None: 5-bit formats (GGUF Q5_0, Q5_1, Q5_K) keep
+      their fifth bit here, bit ``b`` of byte ``i`` for column ``8i + b``, which adds 16 to
+      that column's code (codes 0..31).
     """
 
     codes: torch.Tensor
@@ -48,16 +54,21 @@ class Int4Rows:
     mins: torch.Tensor
     group: int
     perm: torch.Tensor | None = None
+    high: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.codes.shape[0], self.codes.shape[1] * 2
 
     def unpacked(self) -> torch.Tensor:
-        """uint8 ``[N, K]`` codes, one a byte."""
+        """uint8 ``[N, K]`` codes, one a byte (with the fifth bits, if any)."""
         low = self.codes & 0x0F
         high = self.codes >> 4
-        return torch.stack((low, high), dim=-1).reshape(self.shape)
+        codes = torch.stack((low, high), dim=-1).reshape(self.shape)
+        if self.high is not None:
+            bits = (self.high[:, :, None] >> torch.arange(8, dtype=torch.uint8)) & 1  # [N, K / 8, 8]
+            codes = codes + (bits.reshape(self.shape) << 4)
+        return codes
 
     def dequantize(self) -> torch.Tensor:
         """float32 ``[N, K]`` in the checkpoint's column order."""
@@ -76,6 +87,7 @@ class Int4Rows:
             self.mins[index].contiguous(),
             self.group,
             self.perm,
+            None if self.high is None else self.high[index].contiguous(),
         )
 
 

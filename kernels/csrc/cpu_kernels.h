@@ -18,6 +18,7 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor query, at::Tensor 
                       const at::Tensor& cos_sin_cache);
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor key_cache,
                        at::Tensor value_cache, const at::Tensor& slot_mapping);
+// Float32, int8 and (uint8 panels: forwarded to int4_linear) 4-bit panels alike.
 void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scale,
                   const at::Tensor& bias);
 
@@ -50,5 +51,12 @@ bool panel_int8_tile_as_float(int64_t rows, const float* x, int64_t ldx, const i
                               int64_t k_size, const float* scale, const float* bias, float* out, int64_t ldo,
                               int64_t n0, int64_t n);
 int64_t panel_int8_as_float_rows();
+// Called by a thread right after it wrote out[r0:r0+rows, n0:n1) (int4_linear's tiles).
+using TileHook = void (*)(const void* ctx, int64_t r0, int64_t rows, int64_t n0, int64_t n1);
+// out = x @ W.T + bias over 4-bit (or 5-bit) panels (int4_linear_cpu.cpp: codes uint8
+// [ceil(N / 32), K / 32, 512 or 640], scale [ceil(N / 32), K / 32, 64] float32 or float16);
+// `hook(ctx, ...)` after each tile of 32 columns, if not null.
+void int4_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                 const at::Tensor& bias, TileHook hook, const void* ctx);
 
 }  // namespace tandem_cpu

@@ -15,6 +15,8 @@
 //   weights: L x kPerLayer tensors in the order of the Slot enum (absent: empty tensor);
 //     a projection's panels, scale and bias go to tandem_cpu::panel_linear as they are, so
 //     an int8 scale may be per channel [16P] or per group [P, K / group, 16] (GGUF Q8_0),
+//     and uint8 panels with their [ceil(N / 32), K / 32, 64] scales and mins are 4- or 5-bit
+//     weights (GGUF Q4_*, Q5_*: int4_linear_cpu.cpp, which quantizes x per 32 columns itself),
 //   final_norm [H].
 // Returns the final RMSNorm of the residual stream, [T, H].
 #include <ATen/ATen.h>

@@ -12,6 +12,9 @@
 //           group * g <= k < group * (g + 1). [16P] is the same layout with G = 1.
 //   bias    [N] float32 or an empty tensor
 //   out     [M, N] float32, rows contiguous
+// uint8 panels are 4- or 5-bit weights (codes [ceil(N / 32), K / 32, 512 or 640], scale
+// [ceil(N / 32), K / 32, 64]): every entry point here hands them to int4_linear_cpu.cpp's
+// kernel (its own layout and comments).
 //
 // One pass over the weights serves every row of x: a tile of 2 panels (32 columns) is
 // read once per block of up to kMaxRows rows (8 with AVX-512, whose sums fill 16 of its
@@ -913,6 +916,15 @@ void panel_linear_float(at::Tensor& out, const at::Tensor& x, const at::Tensor& 
 template <typename OnTile>
 void panel_linear_with(at::Tensor& out, const at::Tensor& x, const at::Tensor& panels, const at::Tensor& scale,
                        const at::Tensor& bias, const OnTile& on_tile) {
+  if (panels.scalar_type() == at::kByte) {  // 4-bit panels: int4_linear_cpu.cpp
+    tandem_cpu::int4_linear(
+        out, x, panels, scale, bias,
+        [](const void* ctx, int64_t r0, int64_t rows, int64_t n0, int64_t n1) {
+          (*static_cast<const OnTile*>(ctx))(r0, rows, n0, n1);
+        },
+        &on_tile);
+    return;
+  }
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "x must be [M, K] float32");
   const bool int8 = panels.scalar_type() == at::kChar;
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == (int8 ? 2 * kLanes : kLanes) && panels.is_contiguous(),
