@@ -23,6 +23,28 @@ T = TypeVar("T")
 FIRST_ORDINARY_TOKEN = 5
 
 
+# Chat prompts with short answers: the real model's greedy checks (tests/test_real_model.py,
+# benchmarks/q4_peer.py).
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "What is the capital of Japan?",
+    "Name three primary colors.",
+    "How many legs does a spider have?",
+    "Write a haiku about the sea.",
+    "What is 12 times 12?",
+    "Explain photosynthesis in one sentence.",
+    "Who wrote Romeo and Juliet?",
+    "Give me a synonym for happy.",
+    "What is the boiling point of water in Celsius?",
+    "Translate 'good morning' into Spanish.",
+    "List two benefits of exercise.",
+    "What planet is known as the Red Planet?",
+    "Describe a cat in five words.",
+    "What is the largest ocean on Earth?",
+    "Suggest a name for a pet goldfish.",
+]
+
+
 def repo_root() -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

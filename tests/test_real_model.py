@@ -25,6 +25,7 @@ import grpc
 import pytest
 import torch
 
+from benchmarks.common import CHAT_PROMPTS
 from frontend_service import LLM, SamplingParams
 from frontend_service.input_processor import ChatRenderer
 from tandem.model_source import default_model_file, resolve_model
@@ -36,24 +37,7 @@ pytest_plugins = ["tests.e2e_helpers"]
 pytestmark = pytest.mark.timeout(600)
 
 # Chat prompts whose greedy answers must be token-identical to transformers'.
-PROMPTS = [
-    "What is the capital of France?",
-    "What is the capital of Japan?",
-    "Name three primary colors.",
-    "How many legs does a spider have?",
-    "Write a haiku about the sea.",
-    "What is 12 times 12?",
-    "Explain photosynthesis in one sentence.",
-    "Who wrote Romeo and Juliet?",
-    "Give me a synonym for happy.",
-    "What is the boiling point of water in Celsius?",
-    "Translate 'good morning' into Spanish.",
-    "List two benefits of exercise.",
-    "What planet is known as the Red Planet?",
-    "Describe a cat in five words.",
-    "What is the largest ocean on Earth?",
-    "Suggest a name for a pet goldfish.",
-]
+PROMPTS = CHAT_PROMPTS
 MAX_TOKENS = 24
 EOS = 2  # <|im_end|>
 PERPLEXITY_TEXT = Path(__file__).parent / "data" / "perplexity_text.txt"
