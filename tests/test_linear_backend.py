@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from engine_service.config import ConfigError, EngineConfig
 from engine_service.core import EngineCore
-from engine_service.models import decoder
+from engine_service.models import decoder, layers
 from kernels import onednn_linear
 from tandem import cli
 from tandem.protocol.outputs import EngineCoreRequest
@@ -33,7 +33,7 @@ _TORCH_MESSAGE = (
 def cpu_without_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
     """An AVX2-only CPU: no oneDNN bf16, and packing a bf16 weight fails as torch does."""
     real_supports = onednn_linear.cpu_supports
-    real_pack = decoder.pack_weight
+    real_pack = layers.pack_weight
 
     def supports(dtype: torch.dtype) -> bool:
         return dtype != torch.bfloat16 and real_supports(dtype)
@@ -44,7 +44,7 @@ def cpu_without_bf16(monkeypatch: pytest.MonkeyPatch) -> None:
         return real_pack(weight)
 
     monkeypatch.setattr(onednn_linear, "cpu_supports", supports)
-    monkeypatch.setattr(decoder, "pack_weight", pack)
+    monkeypatch.setattr(layers, "pack_weight", pack)
 
 
 def _auto_fp32() -> str:
