@@ -16,6 +16,9 @@ from tandem.protocol.outputs import Logprobs
 @dataclass
 class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)  # request id -> sampled token
+    # Speculative decoding: request id -> its drafts accepted this step, which come before
+    # its sampled token (spec_decode/rejection.py); requests without drafts are not here.
+    accepted: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, Logprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, Logprobs] = field(default_factory=dict)  # complete ones only
     pooled: dict[str, list[float]] = field(default_factory=dict)  # pooling request id -> vector
@@ -27,8 +30,10 @@ class BatchInputs:
     input_ids: torch.Tensor  # [num_tokens] int64
     positions: torch.Tensor  # [num_tokens] int64
     attn: AttentionMetadata
-    sample_rows: list[int]  # row of the last token of each sampling request, in batch order
-    sample_idx: list[int]  # index into SchedulerOutput.scheduled of each sampling request
+    # Row of the last token of each sampling request, in batch order; a request with drafts
+    # has a row for its known token and each draft (``sample_offsets`` 0..k).
+    sample_rows: list[int]
+    sample_idx: list[int]  # index into SchedulerOutput.scheduled of each sample row
     pool_idx: list[int]  # index into SchedulerOutput.scheduled of each pooling request
     # Rows of the hidden state the LM head reads this step, in one call: each prompt-
     # logprobs chunk's rows (request order), then ``sample_rows``.
@@ -41,6 +46,9 @@ class BatchInputs:
     # Async scheduling: (row, request id) of the input tokens that are placeholders for
     # the previous step's sampled tokens, filled in on the device (``launch``).
     pending: list[tuple[int, str]] = field(default_factory=list)
+    # Per sample row: its draft offset j (0 without drafts): it samples the output position
+    # ``num_outputs_before + j``, as if the drafts before it were the output.
+    sample_offsets: list[int] = field(default_factory=list)
 
 
 class ForwardTimer:

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, Literal
 if TYPE_CHECKING:
     import torch
 
+    from engine_service.spec_decode.config import SpeculativeConfig
+
 # torch is imported where a setting is resolved, not here: the CLI builds its parser
 # from these fields without loading torch (``tandem --help``, client commands).
 
@@ -135,6 +137,17 @@ class EngineConfig:
             "overlaps the device's. Same tokens; outputs come one step later. Steps with "
             "penalties, logprobs, structured output, pooling, LoRA or tensor parallelism "
             "run as before."
+        },
+    )
+    speculative_config: str = field(
+        default="",
+        metadata={
+            "help": "Speculative decoding, as vLLM's JSON object: method 'ngram' (prompt lookup: "
+            "prompt_lookup_min / prompt_lookup_max) or 'suffix' (suffix decoding), "
+            "num_speculative_tokens, and disable_by_batch_size (no drafts in a step of more "
+            "running requests; default 16). Greedy and seeded outputs are token for token "
+            "those without it; sampled ones have the same distribution. Empty: off "
+            "(docs/speculative-decoding.md)."
         },
     )
     triton_gemv: bool = field(
@@ -343,6 +356,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self._check_kv_transfer()
+        self._check_speculative()
         self._check_positive("max_num_seqs")
         self._check_positive("tensor_parallel_size")
         if self.distributed_backend not in ("auto", "gloo", "nccl"):
@@ -413,6 +427,24 @@ class EngineConfig:
             raise ConfigError(
                 f"attention_backend must be auto, torch, cpu or triton, got {self.attention_backend!r}"
             )
+
+    @cached_property
+    def speculative(self) -> SpeculativeConfig | None:
+        """``speculative_config`` read (None: speculative decoding off)."""
+        if not self.speculative_config.strip():
+            return None
+        from engine_service.spec_decode.config import SpeculativeConfig, SpeculativeConfigError
+
+        try:
+            return SpeculativeConfig.parse(self.speculative_config)
+        except SpeculativeConfigError as exc:
+            raise ConfigError(str(exc)) from exc
+
+    def _check_speculative(self) -> None:
+        if self.speculative is None:
+            return
+        if self.async_scheduling:
+            raise ConfigError("speculative_config is not supported with async_scheduling yet: use one of them")
 
     def _check_positive(self, name: str, allow_zero: bool = False) -> None:
         value = getattr(self, name)

@@ -88,7 +88,7 @@ class SyncStep:
     def step(self) -> EngineCoreOutputs:
         sched = self.scheduler.schedule()
         result = self.execution.run(sched)
-        self.scheduler.update_after_step(sched, result.sampled, result.pooled)
+        self.scheduler.update_after_step(sched, result.sampled, result.pooled, result.accepted)
         return self.outputs.make(sched, result)
 
 

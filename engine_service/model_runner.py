@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
+from itertools import pairwise
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -17,6 +19,7 @@ from engine_service.input_staging import InputStaging
 from engine_service.kv_cache.manager import KVCacheManager
 from engine_service.lora import LoRAManager
 from engine_service.prompt_outputs import pool, prompt_logprobs
+from engine_service.request import Request
 from engine_service.sampler import (
     Sampler,
     SamplingMetadata,
@@ -24,6 +27,7 @@ from engine_service.sampler import (
     reads_outputs_on_host,
 )
 from engine_service.scheduler import ScheduledRequest, SchedulerOutput
+from engine_service.spec_decode.rejection import verify
 from engine_service.structured_output import StructuredOutputManager
 from tandem.protocol.model_config import ModelConfig
 
@@ -90,17 +94,23 @@ class ModelRunner:
 
     def _prepare(self, sched: SchedulerOutput) -> BatchInputs:
         bs = self.block_size
-        num_seqs = len(sched.scheduled)
         # Flat token-level inputs. A decode row (one token) is a few Python int ops; a
-        # chunk of many tokens computes its slots with numpy.
+        # chunk of many tokens computes its slots with numpy. Attention sequences are
+        # the scheduled entries, except in a decode step with drafts: there each row of
+        # a verified decode is a decode sequence of its own (its context ends at its
+        # position; the step writes every row's KV before any attention reads it), so
+        # the step stays a decode batch (native decode loop, CUDA graphs).
+        split = any(e.spec_token_ids for e in sched.scheduled) and self._decode_like(sched)
         tokens: list[int] = []
         positions_l: list[int] = []
         slots: list[int] = []
-        tables: list[list[int]] = []
-        query_start = [0] * (num_seqs + 1)
-        seq_lens = [0] * num_seqs
+        tables: list[list[int]] = []  # per attention sequence
+        query_start = [0]  # per attention sequence, + 1
+        seq_lens: list[int] = []  # per attention sequence
+        entry_rows: list[int] = []  # first row of each scheduled entry
         sample_rows: list[int] = []
         sample_idx: list[int] = []
+        sample_offsets: list[int] = []
         pool_idx: list[int] = []
         pending: list[tuple[int, str]] = []  # (row, request id) of placeholder input tokens
         window = self.kv.window is not None
@@ -109,7 +119,10 @@ class ModelRunner:
         for i, entry in enumerate(sched.scheduled):
             request = entry.request
             start, n = entry.start, entry.num_new_tokens
+            spec = entry.spec_token_ids
             block_ids = self.kv.block_ids(request.request_id)
+            row0 = len(tokens)
+            entry_rows.append(row0)
             if window:
                 ids = self.kv.window_block_ids(request.request_id)
                 window_tables.append(ids)
@@ -123,24 +136,38 @@ class ModelRunner:
                 positions_l.append(start)
                 slots.append(block_ids[start // bs] * bs + start % bs)
             else:
-                tokens.extend(request.all_token_ids[start : start + n])
+                if spec:
+                    tokens.extend(request.all_token_ids[start : start + n - len(spec)])
+                    tokens.extend(spec)
+                else:
+                    tokens.extend(request.all_token_ids[start : start + n])
                 pos = np.arange(start, start + n, dtype=np.int64)
                 positions_l.extend(range(start, start + n))
                 slots.extend((np.asarray(block_ids, dtype=np.int64)[pos // bs] * bs + pos % bs).tolist())
-            tables.append(block_ids)
-            query_start[i + 1] = query_start[i] + n
-            seq_lens[i] = start + n
+            if split and spec:
+                for j in range(n):
+                    tables.append(block_ids)
+                    query_start.append(query_start[-1] + 1)
+                    seq_lens.append(start + j + 1)
+            else:
+                tables.append(block_ids)
+                query_start.append(query_start[-1] + n)
+                seq_lens.append(start + n)
             if request.pooling_params is not None:
                 pool_idx.append(i)
             elif entry.samples:
-                sample_rows.append(query_start[i + 1] - 1)
-                sample_idx.append(i)
+                first = n - 1 - len(spec)  # the known token's row: sample it and every draft row
+                for j in range(len(spec) + 1):
+                    sample_rows.append(row0 + first + j)
+                    sample_idx.append(i)
+                    sample_offsets.append(j)
+        num_seqs = len(seq_lens)
         max_blocks = max(len(t) for t in tables)
         block_table: list[int] = []  # [num_seqs * max_blocks], rows zero-padded
         for t in tables:
             block_table += t
             block_table += [0] * (max_blocks - len(t))
-        max_query_len = max(entry.num_new_tokens for entry in sched.scheduled)
+        max_query_len = max(b - a for a, b in pairwise(query_start))
         graph_size = None
         if self.graphs is not None and max_query_len == 1 and not window:  # decode only: straight into a graph's inputs
             graph_size = self.graphs.stage(tokens, positions_l, slots, seq_lens, block_table, max_blocks)
@@ -172,7 +199,8 @@ class ModelRunner:
                 attn.window_slot_mapping = self._to_device(window_slots, torch.int64)
                 attn.window_block_tables = self._to_device(flat, torch.int32).view(num_seqs, width)
         batch = BatchInputs(
-            input_ids, positions, attn, sample_rows, sample_idx, pool_idx, graph_size=graph_size, pending=pending
+            input_ids, positions, attn, sample_rows, sample_idx, pool_idx, graph_size=graph_size, pending=pending,
+            sample_offsets=sample_offsets,
         )
         for i, entry in enumerate(sched.scheduled):
             request = entry.request
@@ -182,10 +210,20 @@ class ModelRunner:
             count = min(start + entry.num_new_tokens, request.num_prompt_tokens - 1) - start
             if count > 0:
                 batch.prompt_logit_spans[i] = (len(batch.logit_rows), count)
-                row0 = int(query_start[i])
+                row0 = entry_rows[i]
                 batch.logit_rows.extend(range(row0, row0 + count))
         batch.logit_rows.extend(sample_rows)
         return batch
+
+    @staticmethod
+    def _decode_like(sched: SchedulerOutput) -> bool:
+        """Every entry is a decode (one known token, maybe drafts after it) of a sampling
+        request: the step can run as a decode batch with a sequence per row."""
+        return all(
+            e.num_new_tokens - len(e.spec_token_ids) == 1 and e.samples and e.request.pooling_params is None
+            and not e.request.prompt_logprobs_pending
+            for e in sched.scheduled
+        )
 
     def _to_device(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
         """A host list as a device tensor. On CUDA through pinned memory without blocking:
@@ -208,7 +246,7 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         batch = self._prepare(sched)
         timer = ForwardTimer(self.device)
-        sampling = [sched.scheduled[i] for i in batch.sample_idx]
+        sampling = [SampleRow(sched.scheduled[i], j) for i, j in zip(batch.sample_idx, batch.sample_offsets, strict=True)]
         requests = [e.request for e in sampling]
         # Structured-output masks are filled on a worker thread during the forward.
         mask = self.structured.start_fill(requests) if self.structured is not None else None
@@ -233,11 +271,11 @@ class ModelRunner:
         sched: SchedulerOutput,
         batch: BatchInputs,
         hidden: torch.Tensor,
-        sampling: list[ScheduledRequest],
+        sampling: list[SampleRow],
         mask: object,
     ) -> RunnerOutput:
         """The step's tokens, logprobs, prompt logprobs and pooled vectors from ``hidden``
-        ([num_tokens, H]); ``sampling``: the entries that sample, in row order."""
+        ([num_tokens, H]); ``sampling``: the rows that sample, in row order."""
         requests = [e.request for e in sampling]
         rows = batch.logit_rows
         out = RunnerOutput()
@@ -246,7 +284,7 @@ class ModelRunner:
         only_sampled = bool(rows) and len(rows) == len(batch.sample_rows) and not batch.pool_idx
         if only_sampled and mask is None and not any(r.sampling_params.logprobs is not None for r in requests):
             tokens = self._sample(sampling, hidden if identity else hidden[rows])
-            out.sampled = dict(zip([r.request_id for r in requests], tokens.tolist(), strict=True))
+            _take_tokens(sampling, tokens.tolist(), out)
             return out
         # [len(logit_rows), vocab] float32; one LM-head call (a collective under TP)
         all_logits = self.model.compute_logits(hidden if identity else hidden[rows]) if rows else None
@@ -267,12 +305,11 @@ class ModelRunner:
                 num = request.sampling_params.logprobs
                 if num is not None and result.logprobs is not None:
                     out.logprobs[request.request_id] = result.logprobs.to_logprobs([row], num)
-        for request, token in zip(requests, tokens, strict=True):
-            out.sampled[request.request_id] = token
+        _take_tokens(sampling, tokens, out)
         return out
 
-    def _sample(self, sampling: list[ScheduledRequest], hidden: torch.Tensor) -> torch.Tensor:
-        """``[B]`` tokens on the device for the ``sampling`` entries from their rows of ``hidden``
+    def _sample(self, sampling: list[SampleRow], hidden: torch.Tensor) -> torch.Tensor:
+        """``[B]`` tokens on the device for the ``sampling`` rows from their rows of ``hidden``
         ([B, H]). Where every row takes the argmax of its raw logits, the LM head may
         hand back the tokens alone (``greedy_tokens``; None: compute the logits, as a
         tensor-parallel shard always answers, since its logits are a collective)."""
@@ -285,7 +322,7 @@ class ModelRunner:
         return self.sampler(logits, self._sampling_metadata(sampling, logits.device)).sampled_token_ids
 
     @staticmethod
-    def _argmax_suffices(sampling: list[ScheduledRequest]) -> bool:
+    def _argmax_suffices(sampling: Sequence[SampleRow]) -> bool:
         return all(
             argmax_suffices(e.request.sampling_params, e.num_outputs_before, e.request.eos_token_id) for e in sampling
         )
@@ -301,7 +338,7 @@ class ModelRunner:
             return False
         for entry in sched.scheduled:
             request = entry.request
-            if request.pooling_params is not None or request.structured is not None:
+            if request.pooling_params is not None or request.structured is not None or entry.spec_token_ids:
                 return False
             if request.prompt_logprobs_pending:
                 return False
@@ -322,7 +359,7 @@ class ModelRunner:
             rows = self._to_device([row for row, _ in batch.pending], torch.int64)
             src = self._to_device([previous.index[rid] for _, rid in batch.pending], torch.int64)
             batch.input_ids[rows] = previous.tokens[src].to(batch.input_ids.dtype)
-        sampling = [sched.scheduled[i] for i in batch.sample_idx]
+        sampling = [SampleRow(sched.scheduled[i]) for i in batch.sample_idx]
         requests = [e.request for e in sampling]
         hidden = self._forward(batch)
         rows = batch.sample_rows
@@ -334,18 +371,60 @@ class ModelRunner:
         timer.stop()
         return InFlight([r.request_id for r in requests], tokens, timer)
 
-    def _sampling_metadata(self, sampling: list[ScheduledRequest], device: torch.device) -> SamplingMetadata:
+    def _sampling_metadata(self, sampling: Sequence[SampleRow], device: torch.device) -> SamplingMetadata:
         requests = [e.request for e in sampling]
         return SamplingMetadata.from_requests(
             [r.sampling_params for r in requests],
             [r.prompt_token_ids for r in requests],
-            [r.output_token_ids for r in requests],
+            [e.output_token_ids for e in sampling],
             [r.sampling_params.seed for r in requests],
             [r.eos_token_id for r in requests],
             self.model_config.vocab_size,
             device,
             [e.num_outputs_before for e in sampling],
         )
+
+
+class SampleRow:
+    """One sampled row of a step: ``entry``'s known token (``offset`` 0), or with drafts
+    the row after its first ``offset`` drafts, sampled as if they were the output."""
+
+    __slots__ = ("entry", "offset")
+
+    def __init__(self, entry: ScheduledRequest, offset: int = 0) -> None:
+        self.entry = entry
+        self.offset = offset
+
+    @property
+    def request(self) -> Request:
+        return self.entry.request
+
+    @property
+    def num_outputs_before(self) -> int:
+        """The output position this row samples."""
+        return self.entry.num_outputs_before + self.offset
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The output before this row's position (the drafts before it included)."""
+        outputs = self.entry.request.output_token_ids
+        return outputs + self.entry.spec_token_ids[: self.offset] if self.offset else outputs
+
+
+def _take_tokens(sampling: list[SampleRow], tokens: list[int], out: RunnerOutput) -> None:
+    """Each request's sampled token into ``out``; a request with drafts verifies them
+    against its rows' tokens (``verify``): the accepted ones, then the row's token after them."""
+    i = 0
+    while i < len(sampling):
+        entry = sampling[i].entry
+        rid = entry.request.request_id
+        drafts = entry.spec_token_ids
+        if not drafts:
+            out.sampled[rid] = tokens[i]
+            i += 1
+            continue
+        out.accepted[rid], out.sampled[rid] = verify(drafts, tokens[i : i + len(drafts) + 1])
+        i += len(drafts) + 1
 
 def _sampler_for(config: EngineConfig) -> Sampler:
     """Where the native CPU kernels are in use, the sampler takes their argmax and

@@ -165,6 +165,10 @@ class Request:
         # turn no longer applies to the request.
         self.turn = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet
+        # Speculative decoding: steps that verified drafts, drafts verified, drafts accepted.
+        self.num_spec_steps = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_draft_tokens = 0
         self.num_preemptions = 0
         self.finish_reason: FinishReason | None = None
         self.stop_reason: int | str | None = None

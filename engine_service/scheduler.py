@@ -27,6 +27,7 @@ from tandem.protocol.outputs import FinishReason, RequestError, SchedulerStats
 if TYPE_CHECKING:
     from engine_service.kv_transfer import KvConnector
     from engine_service.lora import LoRAManager
+    from engine_service.spec_decode.speculator import Speculator
     from engine_service.structured_output import StructuredOutputManager
     from tandem.protocol.sampling_params import SamplingParams
 
@@ -44,25 +45,32 @@ class SchedulerConfig:
 
 @dataclass
 class ScheduledRequest:
-    """``request`` computes tokens ``[start, start + num_new_tokens)`` this step."""
+    """``request`` computes tokens ``[start, start + num_new_tokens)`` this step; with
+    ``spec_token_ids`` (speculative decoding) the last ``len(spec_token_ids)`` of them are
+    drafts after its known tokens, verified this step (spec_decode/rejection.py)."""
 
     request: Request
     num_new_tokens: int
+    spec_token_ids: list[int] = field(default_factory=list)
     start: int = field(init=False)  # num_computed_tokens when scheduled
     samples: bool = field(init=False)  # the step reaches the end of the known tokens: it samples
     turn: int = field(init=False)  # the request's session turn when scheduled
+    # With drafts: the tokens the step appended to the request (set by update_after_step).
+    new_token_ids: list[int] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         r = self.request
         self.start = r.num_computed_tokens
-        self.samples = self.start + self.num_new_tokens == r.num_tokens + r.num_output_placeholders
+        known = self.num_new_tokens - len(self.spec_token_ids)
+        self.samples = self.start + known == r.num_tokens + r.num_output_placeholders
         self.turn = r.turn
 
     @property
     def num_outputs_before(self) -> int:
         """Output tokens the request has before the one this step samples (placeholders
-        of steps in flight counted): the sampled token's output position."""
-        return self.start + self.num_new_tokens - self.request.num_prompt_tokens
+        of steps in flight counted): the sampled token's output position (with drafts:
+        that of the first verified row; draft row j samples position + j)."""
+        return self.start + self.num_new_tokens - len(self.spec_token_ids) - self.request.num_prompt_tokens
 
 
 @dataclass
@@ -88,16 +96,19 @@ class Scheduler:
         lora: LoRAManager | None = None,
         kv_connector: KvConnector | None = None,
         structured: StructuredOutputManager | None = None,
+        speculator: Speculator | None = None,
     ) -> None:
         """``lora``: with LoRA on, a waiting request is admitted once its adapter has a
         slot; ``kv_connector``: moves KV between engines (kv_transfer/base.py);
-        ``structured``: compiles constraints (a constrained request waits for its own)."""
+        ``structured``: compiles constraints (a constrained request waits for its own);
+        ``speculator``: speculative decoding's drafts (spec_decode/speculator.py)."""
         self.config = SchedulerConfig(
             max_num_seqs, max_num_batched_tokens, max_model_len, policy, enable_chunked_prefill
         )
         self.kv = kv_manager
         self.kv_transfer = KvTransfer(kv_manager, kv_connector)
-        self.lifecycle = RequestLifecycle(policy, self.kv_transfer.release)
+        self.speculator = speculator
+        self.lifecycle = RequestLifecycle(policy, self._release)
         self.kv_transfer.bind(self.lifecycle)
         # Fed by the step observer with each step's tokens and time; bounds prefill times.
         self.prefill_bound = PrefillBound(max_num_batched_tokens)
@@ -112,6 +123,7 @@ class Scheduler:
             self.kv_transfer,
             self.deadlines,
             self.session_eviction,
+            *([] if speculator is None else [speculator]),
         ]
         # Per-step token counts for IterationStats (taken and reset by the core).
         self._num_prompt_tokens = 0
@@ -119,6 +131,12 @@ class Scheduler:
         # time.monotonic() at the start of the current schedule(): the time stamp of the
         # scheduling events (first scheduled, preemption, prefill chunk start) of this step.
         self._step_start = time.monotonic()
+
+    def _release(self, request: Request, reason: FinishReason) -> None:
+        """A request ended: its KV (and its speculation state) go."""
+        self.kv_transfer.release(request, reason)
+        if self.speculator is not None:
+            self.speculator.ended(request)
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -224,6 +242,8 @@ class Scheduler:
         # requests go first; waiting ones are admitted while budget, sequence slots and
         # KV blocks allow. When blocks run out, the lowest-priority running request is
         # preempted and recomputed later. Before that, the features' before_schedule.
+        # Speculative decoding keeps it: a decode's drafts are n more tokens computed
+        # after its known one, and update_after_step takes the rejected ones back.
         out = SchedulerOutput()
         now = self._step_start = time.monotonic()
         for feature in self.features:
@@ -244,7 +264,11 @@ class Scheduler:
             n = min(self._num_uncomputed(request), budget)
             if n <= 0:
                 continue
-            while not self.kv.allocate_slots(request, n):
+            drafts = self._drafts(request, n, budget)
+            while not self.kv.allocate_slots(request, n + len(drafts)):
+                if drafts:
+                    drafts = []  # short of blocks: a plain decode first
+                    continue
                 if self._make_room():
                     continue
                 victim = self._pick_victim()
@@ -252,9 +276,15 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(request, n))
-                budget -= n
+                out.scheduled.append(ScheduledRequest(request, n + len(drafts), drafts))
+                budget -= n + len(drafts)
         return budget
+
+    def _drafts(self, request: Request, n: int, budget: int) -> list[int]:
+        """The speculator's drafts for a decode of ``request`` (``n == 1``), else []."""
+        if self.speculator is None or n != 1:
+            return []
+        return self.speculator.drafts(request, len(self.lifecycle.running), budget, self.config.max_model_len)
 
     def _num_uncomputed(self, request: Request) -> int:
         """Tokens left to compute, never past max_model_len (the last position is
@@ -338,17 +368,26 @@ class Scheduler:
     # ---- after the forward pass ------------------------------------------------------------
 
     def update_after_step(
-        self, out: SchedulerOutput, sampled: dict[str, int], pooled: Collection[str] = ()
+        self,
+        out: SchedulerOutput,
+        sampled: dict[str, int],
+        pooled: Collection[str] = (),
+        accepted: dict[str, list[int]] | None = None,
     ) -> None:
         """Advance computed tokens, append sampled tokens, apply stop checks.
 
         ``sampled`` maps request id -> the token sampled for it this step; ``pooled``
         holds the pooling requests whose vector this step completed (they finish with
-        STOP). Requests that end are released and reported by ``take_ended``.
+        STOP); ``accepted``: request id -> its drafts accepted this step (appended before
+        its sampled token; the rejected drafts' positions are not computed). Requests that
+        end are released and reported by ``take_ended``.
         """
         now = time.monotonic()
         for entry in out.scheduled:
             request = entry.request
+            if entry.spec_token_ids:
+                self._update_verified(entry, sampled, accepted or {}, now)
+                continue
             request.num_computed_tokens += entry.num_new_tokens
             self.kv.cache_blocks(request)
             if self._pooled_or_chunk(entry, pooled, now):
@@ -357,6 +396,34 @@ class Scheduler:
             if token is not None:
                 request.append_output_token(token)
                 self._after_token(request, token, now)
+
+    def _update_verified(
+        self, entry: ScheduledRequest, sampled: dict[str, int], accepted: dict[str, list[int]], now: float
+    ) -> None:
+        """A decode with drafts: its accepted drafts, then the sampled token, each through
+        the stop checks (what follows a stop is dropped). Computed: the known token and the
+        accepted drafts; the rejected drafts' KV slots are written again later."""
+        request = entry.request
+        rid = request.request_id
+        token = sampled.get(rid)
+        if token is None:  # not verified (the step failed for it): nothing computed
+            return
+        kept = accepted.get(rid, [])
+        drafted = len(entry.spec_token_ids)
+        request.num_computed_tokens += entry.num_new_tokens - (drafted - len(kept))
+        self.kv.cache_blocks(request)  # full blocks of known tokens only (the drafts are not yet)
+        if self.speculator is not None:
+            self.speculator.record(request, drafted, len(kept))
+        if request.times.first_token is None:
+            request.times.prefill_chunks.append((self._step_start, now, entry.num_new_tokens))
+        for t in (*kept, token):
+            request.append_output_token(t)
+            entry.new_token_ids.append(t)
+            self._after_token(request, t, now)
+            if request.is_finished or request.status is RequestStatus.IDLE:
+                break
+        # A stop among the drafts: the tokens after it are not the request's.
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
 
     def _pooled_or_chunk(self, entry: ScheduledRequest, pooled: Collection[str], now: float) -> bool:
         """Record a first-prefill chunk's times; finish a pooling request whose vector

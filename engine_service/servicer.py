@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -347,6 +348,7 @@ class EngineServicer(engine_pb2_grpc.EngineCoreServicer):
             draining=self.draining,
             accepts_input_batches=True,
             kv_role=core.kv_connector.role or "",
+            speculative_config="" if cfg.speculative is None else json.dumps(cfg.speculative.to_dict()),
         )
 
     async def ResetPrefixCache(

@@ -168,6 +168,16 @@ def start_up(
             cache_size=config.structured_output_cache_size,
         )
         on_failure.callback(structured.close)
+        speculator = None
+        if config.speculative is not None:
+            if window is not None:
+                raise ConfigError(
+                    "speculative decoding is not supported yet for models with sliding-window layers "
+                    f"({model_config.architecture}); start without --speculative-config"
+                )
+            from engine_service.spec_decode.speculator import Speculator
+
+            speculator = Speculator(config.speculative, config.torch_device.type)
         # Async scheduling is its own scheduler and step, chosen here once.
         scheduler = (AsyncScheduler if config.async_scheduling else Scheduler)(
             kv_manager,
@@ -179,6 +189,7 @@ def start_up(
             lora=lora,
             kv_connector=kv_connector,
             structured=structured,
+            speculator=speculator,
         )
         runner = ModelRunner(
             config, model, model_config, kv_caches, kv_manager, structured, lora,

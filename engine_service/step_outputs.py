@@ -55,15 +55,19 @@ class StepOutputs:
             token = result.sampled.get(rid)
             if token is None:
                 continue
-            if request.finish_reason is None and rid not in logprobs and rid not in prompt_logprobs:
+            # With drafts: what the step appended (accepted drafts, then the sampled token).
+            new_token_ids = entry.new_token_ids if entry.spec_token_ids else [token]
+            if not new_token_ids:
+                continue
+            if len(new_token_ids) == 1 and request.finish_reason is None and rid not in logprobs and rid not in prompt_logprobs:
                 plain_ids.append(rid)
-                plain_tokens.append(token)
+                plain_tokens.append(new_token_ids[0])
                 plain_cached.append(request.num_cached_tokens)
                 continue
             outputs.append(
                 EngineCoreOutput(
                     request_id=rid,
-                    new_token_ids=[token],
+                    new_token_ids=new_token_ids,
                     new_logprobs=logprobs.get(rid),
                     new_prompt_logprobs=prompt_logprobs.get(rid),
                     finish_reason=request.finish_reason,
@@ -95,9 +99,11 @@ class StepOutputs:
                 )
             )
         num_prompt_tokens, num_generation_tokens = self.scheduler.take_token_counts()
+        speculator = self.scheduler.speculator
         iteration = IterationStats(
             num_prompt_tokens, num_generation_tokens, ended,
             num_scheduled_reqs=len(sched.scheduled), num_scheduled_tokens=sched.num_scheduled_tokens,
+            spec_decoding=None if speculator is None else speculator.take_stats(),
         )
         return EngineCoreOutputs(
             engine_index=self.engine_index,

@@ -44,6 +44,10 @@ def request_span_attributes(request: Request, model: str, engine_index: int) -> 
     attrs["tandem.engine_index"] = engine_index
     attrs["tandem.num_preemptions"] = request.num_preemptions
     attrs["tandem.num_prefill_chunks"] = len(times.prefill_chunks)
+    if request.num_spec_steps:  # speculative decoding: tokens per verified step, the bonus included
+        attrs["tandem.spec_decode.num_draft_tokens"] = request.num_draft_tokens
+        attrs["tandem.spec_decode.num_accepted_tokens"] = request.num_accepted_draft_tokens
+        attrs["tandem.spec_decode.mean_accepted_length"] = 1 + request.num_accepted_draft_tokens / request.num_spec_steps
     for name, value in (
         (telemetry.LATENCY_QUEUE, times.queue_time),
         (telemetry.LATENCY_TTFT, times.time_to_first_token),

@@ -229,3 +229,36 @@ def test_a_drained_engine_s_leftovers_continue_exactly(
     """SIGTERM: the engine drains for --drain-timeout 0.02 s, then aborts what is left
     with UNAVAILABLE; the frontend moves those streams on."""
     _lose_engine_mid_stream(serve, undisturbed, 1, signal.SIGTERM, "engine_drained")
+
+
+SPECULATIVE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+
+
+@pytest.fixture(scope="module")
+def spec_serve(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    """The same deployment with n-gram speculative decoding in both engines."""
+    port, engine_port = serve_ports(2)
+    args = [
+        "serve", "--model", tiny_llama_dir, "--engines", "2", "--host", "127.0.0.1", "--port", str(port),
+        "--engine-base-port", str(engine_port), "--metrics-port", "0", "--engine-metrics-base-port", "0",
+        "--http-port", "0", "--connect-timeout", str(START_TIMEOUT), "--drain-timeout", str(DRAIN_TIMEOUT),
+        "--restart-backoff", "0.5", "--", *ENGINE_ARGS, "--speculative-config", SPECULATIVE,
+    ]
+    proc = ServiceProcess.spawn("serve", args, f"127.0.0.1:{port}", Path(tmp_path_factory.mktemp("spec_migration")))
+    try:
+        proc.wait_serving()
+        yield proc
+    finally:
+        proc.stop(timeout=60)
+
+
+def test_with_speculation_streams_equal_and_continue_exactly_after_a_sigkill(
+    spec_serve: ServiceProcess, undisturbed: tuple[list[frontend_pb2.GenerateRequest], list[Stream]]
+) -> None:
+    """Drafts change no stream (greedy and seeded token for token, stop string, logprobs
+    requests), and a stream that loses its engine mid-way continues on the other exactly."""
+    requests, expected = undisturbed
+    _engines_back(spec_serve)
+    streams = _run(spec_serve.address, requests)
+    _assert_same(expected, streams)
+    _lose_engine_mid_stream(spec_serve, undisturbed, 0, signal.SIGKILL, "engine_dead")

@@ -186,6 +186,7 @@ def sampling_params_to_proto(sp: SamplingParams) -> common_pb2.SamplingParams:
         detokenize=sp.detokenize,
         output_kind=output_kind_to_proto(sp.output_kind),
         structured_outputs=structured_outputs_to_proto(sp.structured_outputs),
+        speculative=sp.speculative,
     )
 
 
@@ -260,6 +261,7 @@ def sampling_params_from_proto(
             msg.skip_special_tokens if has("skip_special_tokens") else d.skip_special_tokens
         ),
         detokenize=msg.detokenize if has("detokenize") else d.detokenize,
+        speculative=msg.speculative if has("speculative") else True,
         output_kind=output_kind_from_proto(msg.output_kind),
         structured_outputs=(
             structured_outputs_from_proto(msg.structured_outputs)

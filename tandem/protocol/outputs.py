@@ -252,6 +252,9 @@ class IterationStats:
     # The step's batch: requests scheduled and tokens computed (prefill chunks + decodes).
     num_scheduled_reqs: int = 0
     num_scheduled_tokens: int = 0
+    # Speculative decoding's counters of this step (engine_service.spec_decode.speculator.
+    # SpecDecodingStats); None: nothing verified.
+    spec_decoding: Any = None
 
 
 @dataclass

@@ -83,6 +83,8 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # JSON schema / regex / choice / grammar the output must match (None: free text).
     structured_outputs: StructuredOutputsParams | None = None
+    # False: no speculative drafts for this request (where the engine speculates).
+    speculative: bool = True
 
     @property
     def greedy(self) -> bool:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"\xab\x07\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x01H\x08\x88\x01\x01\x12<\n\nlogit_bias\x18\n \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x0b \x03(\x05\x12\x17\n\nmax_tokens\x18\x0c \x01(\rH\t\x88\x01\x01\x12\x12\n\nmin_tokens\x18\r \x01(\r\x12\x0c\n\x04stop\x18\x0e \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0f \x03(\x05\x12\x12\n\nignore_eos\x18\x10 \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x11 \x01(\x08\x12\x15\n\x08logprobs\x18\x12 \x01(\rH\n\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\rH\x0b\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x14 \x01(\x08H\x0c\x88\x01\x01\x12*\n\x0boutput_kind\x18\x15 \x01(\x0e\x32\x15.tandem.v1.OutputKind\x12\x38\n\x12structured_outputs\x18\x16 \x01(\x0b\x32\x1c.tandem.v1.StructuredOutputs\x12\x17\n\ndetokenize\x18\x17 \x01(\x08H\r\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB\r\n\x0b_detokenize\"\xc9\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x15.tandem.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x07 \x01(\x08\x42\x06\n\x04kind\"\x99\x01\n\rPoolingParams\x12\x0c\n\x04task\x18\x01 \x01(\t\x12,\n\x0cpooling_type\x18\x02 \x01(\x0e\x32\x16.tandem.v1.PoolingType\x12\x16\n\tnormalize\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x17\n\ndimensions\x18\x04 \x01(\rH\x01\x88\x01\x01\x42\x0c\n\n_normalizeB\r\n\x0b_dimensions\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"S\n\x08Logprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\r\n\x05ranks\x18\x03 \x03(\x05\x12\x13\n\x0bnum_columns\x18\x04 \x01(\r\"H\n\x0bLoRARequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x13\n\x0blora_int_id\x18\x02 \x01(\r\x12\x11\n\tlora_path\x18\x03 \x01(\t*o\n\x0bPoolingType\x12\x1c\n\x18POOLING_TYPE_UNSPECIFIED\x10\x00\x12\x15\n\x11POOLING_TYPE_LAST\x10\x01\x12\x15\n\x11POOLING_TYPE_MEAN\x10\x02\x12\x14\n\x10POOLING_TYPE_CLS\x10\x03*x\n\nOutputKind\x12\x1b\n\x17OUTPUT_KIND_UNSPECIFIED\x10\x00\x12\x1a\n\x16OUTPUT_KIND_CUMULATIVE\x10\x01\x12\x15\n\x11OUTPUT_KIND_DELTA\x10\x02\x12\x1a\n\x16OUTPUT_KIND_FINAL_ONLY\x10\x03*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x42<Z:github.com/tandem-serving/tandem/gen/go/tandem/v1;tandemv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tandem/v1/common.proto\x12\ttandem.v1\"\xd5\x07\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x01H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\t \x01(\x01H\x08\x88\x01\x01\x12<\n\nlogit_bias\x18\n \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x0b \x03(\x05\x12\x17\n\nmax_tokens\x18\x0c \x01(\rH\t\x88\x01\x01\x12\x12\n\nmin_tokens\x18\r \x01(\r\x12\x0c\n\x04stop\x18\x0e \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0f \x03(\x05\x12\x12\n\nignore_eos\x18\x10 \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x11 \x01(\x08\x12\x15\n\x08logprobs\x18\x12 \x01(\rH\n\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\rH\x0b\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x14 \x01(\x08H\x0c\x88\x01\x01\x12*\n\x0boutput_kind\x18\x15 \x01(\x0e\x32\x15.tandem.v1.OutputKind\x12\x38\n\x12structured_outputs\x18\x16 \x01(\x0b\x32\x1c.tandem.v1.StructuredOutputs\x12\x17\n\ndetokenize\x18\x17 \x01(\x08H\r\x88\x01\x01\x12\x18\n\x0bspeculative\x18\x18 \x01(\x08H\x0e\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_max_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB\r\n\x0b_detokenizeB\x0e\n\x0c_speculative\"\xc9\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x15.tandem.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x07 \x01(\x08\x42\x06\n\x04kind\"\x99\x01\n\rPoolingParams\x12\x0c\n\x04task\x18\x01 \x01(\t\x12,\n\x0cpooling_type\x18\x02 \x01(\x0e\x32\x16.tandem.v1.PoolingType\x12\x16\n\tnormalize\x18\x03 \x01(\x08H\x00\x88\x01\x01\x12\x17\n\ndimensions\x18\x04 \x01(\rH\x01\x88\x01\x01\x42\x0c\n\n_normalizeB\r\n\x0b_dimensions\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"S\n\x08Logprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\r\n\x05ranks\x18\x03 \x03(\x05\x12\x13\n\x0bnum_columns\x18\x04 \x01(\r\"H\n\x0bLoRARequest\x12\x11\n\tlora_name\x18\x01 \x01(\t\x12\x13\n\x0blora_int_id\x18\x02 \x01(\r\x12\x11\n\tlora_path\x18\x03 \x01(\t*o\n\x0bPoolingType\x12\x1c\n\x18POOLING_TYPE_UNSPECIFIED\x10\x00\x12\x15\n\x11POOLING_TYPE_LAST\x10\x01\x12\x15\n\x11POOLING_TYPE_MEAN\x10\x02\x12\x14\n\x10POOLING_TYPE_CLS\x10\x03*x\n\nOutputKind\x12\x1b\n\x17OUTPUT_KIND_UNSPECIFIED\x10\x00\x12\x1a\n\x16OUTPUT_KIND_CUMULATIVE\x10\x01\x12\x15\n\x11OUTPUT_KIND_DELTA\x10\x02\x12\x1a\n\x16OUTPUT_KIND_FINAL_ONLY\x10\x03*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x42<Z:github.com/tandem-serving/tandem/gen/go/tandem/v1;tandemv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,24 +34,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._serialized_options = b'Z:github.com/tandem-serving/tandem/gen/go/tandem/v1;tandemv1'
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_POOLINGTYPE']._serialized_start=1529
-  _globals['_POOLINGTYPE']._serialized_end=1640
-  _globals['_OUTPUTKIND']._serialized_start=1642
-  _globals['_OUTPUTKIND']._serialized_end=1762
-  _globals['_FINISHREASON']._serialized_start=1765
-  _globals['_FINISHREASON']._serialized_end=1910
+  _globals['_POOLINGTYPE']._serialized_start=1571
+  _globals['_POOLINGTYPE']._serialized_end=1682
+  _globals['_OUTPUTKIND']._serialized_start=1684
+  _globals['_OUTPUTKIND']._serialized_end=1804
+  _globals['_FINISHREASON']._serialized_start=1807
+  _globals['_FINISHREASON']._serialized_end=1952
   _globals['_SAMPLINGPARAMS']._serialized_start=38
-  _globals['_SAMPLINGPARAMS']._serialized_end=977
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=715
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=763
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=980
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1181
-  _globals['_POOLINGPARAMS']._serialized_start=1184
-  _globals['_POOLINGPARAMS']._serialized_end=1337
-  _globals['_CHOICELIST']._serialized_start=1339
-  _globals['_CHOICELIST']._serialized_end=1368
-  _globals['_LOGPROBS']._serialized_start=1370
-  _globals['_LOGPROBS']._serialized_end=1453
-  _globals['_LORAREQUEST']._serialized_start=1455
-  _globals['_LORAREQUEST']._serialized_end=1527
+  _globals['_SAMPLINGPARAMS']._serialized_end=1019
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=741
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=789
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1022
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1223
+  _globals['_POOLINGPARAMS']._serialized_start=1226
+  _globals['_POOLINGPARAMS']._serialized_end=1379
+  _globals['_CHOICELIST']._serialized_start=1381
+  _globals['_CHOICELIST']._serialized_end=1410
+  _globals['_LOGPROBS']._serialized_start=1412
+  _globals['_LOGPROBS']._serialized_end=1495
+  _globals['_LORAREQUEST']._serialized_start=1497
+  _globals['_LORAREQUEST']._serialized_end=1569
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,196 @@
+"""Speculative decoding on real weights: batch-1 tokens/s and accepted length per proposer.
+
+The default model (SmolLM2-135M-Instruct, its Q4_1 GGUF as shipped), greedy, two workloads:
+
+- ``copy``: chat prompts whose answer repeats or edits text given in the prompt (fix the
+  spelling of a paragraph, add a docstring to a function, repeat a list, translate the
+  variable names of a snippet): where prompt lookup and suffix decoding can draft;
+- ``chat``: free chat (``benchmarks.common.CHAT_PROMPTS``): little to copy.
+
+For each configuration (``off``, ``ngram``, ``suffix``, ``ngram-always``: ngram without the
+load rule that stops drafting above 16 running requests; ``--configs``) every prompt runs
+alone (batch 1), one after the other, then all requests of ``--batch-sizes`` at once
+(distinct pairs of chat prompts); tokens/s counts the output tokens after each request's first one
+over the time from the step that gave the last first token to the end (batch 1: summed over
+the prompts). Mean accepted length = 1 + accepted drafts per verified step (the
+tokens a step that verified drafts emitted). Greedy outputs must be the same in every
+configuration: the script says how many differ (0 expected).
+
+    python -m benchmarks.spec_decode                      # batch 1 both workloads, batch 32 and 64
+    python -m benchmarks.spec_decode --batch-sizes "" --max-tokens 32   # batch 1 only, short
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import sys
+import time
+
+from benchmarks.common import CHAT_PROMPTS, format_table, load_average
+
+COPY_PROMPTS = [
+    "Fix the spelling mistakes in this paragraph and write out the corrected paragraph in full:\n\n"
+    "The quick brown fox jumpd over the lazy dog. It was a sunny day and the fox was verry happy. "
+    "The dog did not mind, becuase it was sleeping under a big tree near the river.",
+    "Add a docstring to this Python function and return the whole function:\n\n"
+    "def area(width, height):\n    if width < 0 or height < 0:\n        raise ValueError('negative size')\n"
+    "    return width * height\n",
+    "Repeat this shopping list exactly, one item per line:\napples\nbananas\nbread\nmilk\neggs\ncheese\n"
+    "tomatoes\nrice\nbutter\ncoffee",
+    "Rename the variable x to count in this code and show the full code:\n\n"
+    "x = 0\nfor item in items:\n    if item.ready:\n        x = x + 1\nprint(x)\n",
+    "Copy the following sentence three times: The early bird catches the worm.",
+    "Rewrite this email with the name Anna instead of Maria, keeping everything else the same:\n\n"
+    "Dear Maria,\nThank you for your letter. Maria, I am glad you enjoyed the trip. "
+    "We hope to see you again next summer, Maria.\nBest wishes,\nTom",
+]
+
+CONFIGS = {
+    "off": "",
+    "ngram": '{"method": "ngram", "num_speculative_tokens": %(k)d, "prompt_lookup_min": 2, "prompt_lookup_max": 5}',
+    "suffix": '{"method": "suffix", "num_speculative_tokens": %(k)d}',
+    # ngram without its load rule (disable_by_batch_size 0): what drafting costs at large batches
+    "ngram-always": '{"method": "ngram", "num_speculative_tokens": %(k)d, "prompt_lookup_min": 2, '
+    '"prompt_lookup_max": 5, "disable_by_batch_size": 0}',
+}
+
+
+def _batch_prompts(size: int) -> list[str]:
+    """``size`` distinct free-chat prompts: pairs of CHAT_PROMPTS (no two share an answer,
+    so suffix decoding's shared trie gets no answer it will be asked for again)."""
+    pairs = [(a, b) for i, a in enumerate(CHAT_PROMPTS) for j, b in enumerate(CHAT_PROMPTS) if i != j]
+    return [f"{a} {b}" for a, b in pairs[:: max(1, len(pairs) // size)][:size]]
+
+
+def _chat_ids(tokenizer, prompt: str) -> list[int]:  # type: ignore[no-untyped-def]
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def run_batch(core, prompts: list[list[int]], max_tokens: int, eos: int | None, tag: str):  # type: ignore[no-untyped-def]
+    """All ``prompts`` at once, greedy; -> (tokens per request, (output tokens after the
+    first ones, seconds they took), verified steps, accepted drafts)."""
+    from tandem.protocol.outputs import EngineCoreRequest
+    from tandem.protocol.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    tokens: dict[str, list[int]] = {}
+    for i, ids in enumerate(prompts):
+        rid = f"{tag}-{i}"
+        tokens[rid] = []
+        core.add_request(EngineCoreRequest(rid, ids, params, eos_token_id=eos))
+    started: set[str] = set()
+    steps = accepted = 0
+    t0 = None
+    decoded = 0
+    while core.has_unfinished_requests():
+        outs = core.step()
+        spec = outs.iteration_stats.spec_decoding if outs.iteration_stats is not None else None
+        if spec is not None:
+            steps += spec.num_drafts
+            accepted += spec.num_accepted_tokens
+        for out in outs.all_outputs():
+            if out.request_id in started:
+                decoded += len(out.new_token_ids)
+            elif out.new_token_ids:
+                started.add(out.request_id)
+                decoded += len(out.new_token_ids) - 1
+            tokens[out.request_id].extend(out.new_token_ids)
+        if t0 is None and len(started) == len(prompts):
+            t0 = time.perf_counter()
+            decoded = 0
+    elapsed = time.perf_counter() - t0 if t0 is not None else 0.0
+    return [tokens[f"{tag}-{i}"] for i in range(len(prompts))], (decoded, elapsed), steps, accepted
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="", help="default: the default model's GGUF file")
+    p.add_argument("--configs", default="off,ngram,suffix")
+    p.add_argument("--k", type=int, default=8, help="num_speculative_tokens, the most drafted a step (default 8)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--batch-sizes", default="32,64", help="batched runs (comma-separated; empty: none)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3, help="rounds, the configurations by turns (default 3)")
+    args = p.parse_args(argv)
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from benchmarks.llama_cpp_peer import _cpu_name
+    from engine_service.config import EngineConfig
+    from engine_service.core import EngineCore
+    from tandem.model_source import default_model_file, resolve_model
+
+    model = args.model or default_model_file()
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(model))
+    eos = tokenizer.eos_token_id
+    workloads = {"copy": [_chat_ids(tokenizer, t) for t in COPY_PROMPTS],
+                 "chat": [_chat_ids(tokenizer, t) for t in CHAT_PROMPTS]}
+    sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
+    names = args.configs.split(",")
+    print(f"CPU: {_cpu_name()}; model {model}; load before: {load_average()}", flush=True)
+    cores = {}
+    for name in names:
+        spec = CONFIGS[name] % {"k": args.k} if CONFIGS[name] else ""
+        cores[name] = EngineCore(EngineConfig(
+            model=model, num_threads=args.threads, adaptive_threads=False, max_num_seqs=max([1, *sizes]),
+            max_model_len=1024, speculative_config=spec,
+        ))
+    torch.set_num_threads(args.threads)
+    for core in cores.values():
+        run_batch(core, [workloads["chat"][0]], 8, eos, "warm")
+    batches = {size: [_chat_ids(tokenizer, text) for text in _batch_prompts(size)] for size in sizes}
+    # cell (config, workload, batch) -> rates of each round, (verified steps, accepted), tokens
+    rates: dict[tuple[str, str, int], list[float]] = collections.defaultdict(list)
+    spec_counts: dict[tuple[str, str, int], tuple[int, int]] = {}
+    answers: dict[tuple[str, str, int], list[list[int]]] = {}
+    for r in range(args.repeats):  # the configurations by turns, round after round
+        for name, core in cores.items():
+            for workload, prompts in workloads.items():
+                outs, decoded, seconds, steps, accepted = [], 0, 0.0, 0, 0
+                for i, ids in enumerate(prompts):
+                    (out,), (n, t), s, a = run_batch(core, [ids], args.max_tokens, eos, f"{workload}{i}-{r}")
+                    outs.append(out)
+                    decoded += n
+                    seconds += t
+                    steps += s
+                    accepted += a
+                cell = (name, workload, 1)
+                rates[cell].append(decoded / seconds)
+                spec_counts[cell], answers[cell] = (steps, accepted), outs
+            for size, prompts in batches.items():
+                outs, (n, t), steps, accepted = run_batch(core, prompts, args.max_tokens, eos, f"b{size}-{r}")
+                cell = (name, "chat", size)
+                rates[cell].append(n / t)
+                spec_counts[cell], answers[cell] = (steps, accepted), outs
+        print(f"round {r + 1} of {args.repeats} done; load {load_average()}", flush=True)
+    for core in cores.values():
+        core.shutdown()
+    header = ["config", "workload", "batch", "tok/s (median)", "vs off", "runs", "mean accepted length", "tokens"]
+    rows = []
+    for (name, workload, batch), runs in rates.items():
+        steps, accepted = spec_counts[(name, workload, batch)]
+        median = statistics.median(runs)
+        base = rates.get(("off", workload, batch))
+        vs = f"{median / statistics.median(base):.2f}x" if base and name != "off" else ""
+        rows.append([name, workload, batch, f"{median:.1f}", vs, " ".join(f"{x:.0f}" for x in runs),
+                     f"{1 + accepted / steps:.2f}" if steps else "-",
+                     sum(len(o) for o in answers[(name, workload, batch)])])
+    rows.sort(key=lambda row: (row[2], row[1], names.index(str(row[0]))))
+    print(f"\nCPU: {_cpu_name()}; greedy, max_tokens {args.max_tokens}, k {args.k}, threads {args.threads}, "
+          f"{args.repeats} rounds by turns; load after: {load_average()}")
+    print(format_table(header, rows))
+    for (name, workload, batch), outs in answers.items():
+        if name != names[0]:
+            differ = sum(a != b for a, b in zip(outs, answers[(names[0], workload, batch)], strict=True))
+            print(f"{name} vs {names[0]}, {workload} batch {batch}: {differ}/{len(outs)} greedy outputs differ")
+    print(json.dumps({"rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

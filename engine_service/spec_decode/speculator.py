@@ -1,0 +1,210 @@
+"""Who drafts this step, how many tokens, and what came of it.
+
+The ``Speculator`` is a scheduler feature (scheduler_hooks.py): the scheduler asks it for a
+decoding request's drafts when it schedules the request (``drafts``), and tells it how many
+were accepted after the step (``record``). It owns the proposer (n-gram prompt lookup or
+suffix decoding, by ``SpeculativeConfig.method``), the load rules that turn speculation
+off, and the step's counters for the metrics.
+
+A request drafts when it decodes (one known token left to compute, no placeholder) and
+nothing of it needs per-position state the verification does not carry yet: structured
+output (the grammar would have to advance through the drafts), logprobs, pooling, or a
+request that opted out (``SamplingParams.speculative``). Everything else (temperature,
+top-k/p, min-p, penalties, logit bias, seeds, min_tokens, stop tokens, max_tokens) is
+exact through ``verify`` (rejection.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engine_service.scheduler_hooks import SchedulerFeature, Stop
+from engine_service.spec_decode.config import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from engine_service.request import Request
+
+
+@dataclass
+class SpecDecodingStats:
+    """Counters since the last ``take_stats`` (vLLM's spec-decode metrics)."""
+
+    num_drafts: int = 0  # requests that verified drafts
+    num_draft_tokens: int = 0  # tokens drafted (and verified)
+    num_accepted_tokens: int = 0  # of which accepted
+    # [k]: drafts accepted at position i (0-based: the first draft token is position 0)
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+
+class _Acceptance:
+    """A request's running acceptance rate: the chance that a draft token is accepted
+    given the ones before it were, from decayed counts of accepted drafts over tries
+    (a step that accepted ``a`` of ``k`` tried ``a + 1`` times if ``a < k``, else ``a``)."""
+
+    __slots__ = ("accepted", "idle", "tries")
+    DECAY = 0.8  # per verified step
+    PRIOR = (1.6, 2.0)  # (accepted, tries): a new request starts at 0.8 and drafts
+
+    def __init__(self) -> None:
+        self.accepted, self.tries = self.PRIOR
+        self.idle = 0  # decode steps without drafts since the last one (low acceptance)
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.tries
+
+    def update(self, num_drafted: int, num_accepted: int) -> None:
+        self.accepted = self.DECAY * self.accepted + num_accepted
+        self.tries = self.DECAY * self.tries + num_accepted + (num_accepted < num_drafted)
+
+
+def best_draft_length(rate: float, room: int, cost: float) -> int:
+    """The k in [0, room] that maximizes expected tokens per step time,
+    ``(1 + rate + ... + rate^k) / (1 + cost k)`` (0: a plain step is best)."""
+    best_k, best, expected, power = 0, 1.0, 1.0, 1.0
+    for k in range(1, room + 1):
+        power *= rate
+        expected += power
+        value = expected / (1.0 + cost * k)
+        if value > best * 1.0001:
+            best_k, best = k, value
+    return best_k
+
+
+class Speculator(SchedulerFeature):
+    def __init__(self, config: SpeculativeConfig, device_type: str = "cpu") -> None:
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.token_cost = config.token_cost(device_type)
+        self._acceptance: dict[str, _Acceptance] = {}
+        self._stats = SpecDecodingStats(accepted_per_pos=[0] * self.k)
+        if config.method == "ngram":
+            from engine_service.spec_decode.ngram import NgramProposer
+
+            self._ngram: NgramProposer | None = NgramProposer(
+                config.prompt_lookup_min, config.prompt_lookup_max, self.k
+            )
+            self._suffix = None
+        else:
+            from engine_service.spec_decode.suffix import SuffixProposer
+
+            self._ngram = None
+            self._suffix = SuffixProposer(
+                self.k,
+                max_tree_depth=config.suffix_decoding_max_tree_depth,
+                min_token_prob=config.suffix_decoding_min_token_prob,
+                max_cached_requests=config.suffix_decoding_max_cached_requests,
+            )
+
+    # ---- the request's life (suffix decoding keeps a trie per request) -------------------
+
+    def added(self, request: Request) -> None:
+        if self._suffix is not None:
+            self._suffix.start(request.request_id, request.prompt_token_ids)
+            if request.output_token_ids:  # a migrated continuation's output so far
+                self._suffix.extend(request.request_id, request.output_token_ids)
+
+    def after_token(self, request: Request, token: int) -> Stop | None:
+        if self._suffix is not None:
+            self._suffix.extend(request.request_id, (token,))
+        return None
+
+    def ended(self, request: Request) -> None:
+        """The request finished (its KV released): its state goes (suffix decoding keeps
+        its output in the shared trie)."""
+        self._acceptance.pop(request.request_id, None)
+        if self._suffix is not None:
+            self._suffix.stop(request.request_id)
+
+    # ---- drafting -------------------------------------------------------------------------
+
+    def drafts(self, request: Request, num_running: int, budget: int, max_model_len: int) -> list[int]:
+        """Draft tokens to verify after ``request``'s next token this step ([] for none):
+        at most k, within the step's token ``budget`` (the known token takes one),
+        ``max_model_len`` (the last draft's position stays below it) and the request's
+        ``max_tokens`` (its last token this step is the verified one)."""
+        limit = self.config.disable_by_batch_size
+        if limit and num_running > limit:
+            return []
+        if not self._eligible(request):
+            return []
+        params = request.sampling_params
+        room = min(self.k, budget - 1, max_model_len - request.num_tokens)
+        if params.max_tokens is not None:
+            room = min(room, params.max_tokens - request.num_output_tokens - 1)
+        if room <= 0:
+            return []
+        acceptance = self._acceptance.get(request.request_id)
+        if acceptance is None:
+            acceptance = self._acceptance[request.request_id] = _Acceptance()
+        cost = self.step_share(num_running)
+        k = best_draft_length(acceptance.rate, room, cost)
+        if k == 0:  # low acceptance: a one-token probe now and then
+            acceptance.idle += 1
+            if acceptance.idle < self.config.probe_interval:
+                return []
+            k = 1
+        acceptance.idle = 0
+        return self._propose(request, k, cost)
+
+    def step_share(self, num_running: int) -> float:
+        """What one draft token of each of ``num_running`` requests adds to a step, as a
+        fraction of it: with T(R) = T0 + r R for R rows and c = r / (T0 + r) the batch-1
+        share (``token_cost``), ``r B / (T0 + r B) = c B / (1 + c (B - 1))`` for B requests.
+        Rows are cheap while a step streams its weights once for a few rows, and cost a
+        whole row's worth once the step is compute-bound."""
+        c, b = self.token_cost, max(1, num_running)
+        return c * b / (1.0 + c * (b - 1))
+
+    def _propose(self, request: Request, room: int, cost: float) -> list[int]:
+        """The proposer's draft of at most ``room`` tokens after ``request``'s tokens; suffix
+        decoding's cut where its own running probabilities stop paying for their rows."""
+        if self._ngram is not None:
+            return self._ngram.propose(request.all_token_ids, room)
+        assert self._suffix is not None
+        draft, probs = self._suffix.propose_with_probs(request.request_id, room)
+        best_k, best, expected = 0, 1.0, 1.0
+        for k, p in enumerate(probs, 1):
+            expected += p
+            value = expected / (1.0 + cost * k)
+            if value > best * 1.0001:
+                best_k, best = k, value
+        return draft[:best_k]
+
+    @staticmethod
+    def _eligible(request: Request) -> bool:
+        params = request.sampling_params
+        return (
+            request.num_output_placeholders == 0
+            and request.num_computed_tokens == request.num_tokens - 1
+            and request.structured is None
+            and request.pooling_params is None
+            and params.logprobs is None
+            and not request.prompt_logprobs_pending
+            and params.speculative
+        )
+
+    def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:
+        """After a verified step: ``num_accepted`` of ``num_drafted`` drafts were accepted."""
+        request.num_spec_steps += 1
+        request.num_draft_tokens += num_drafted
+        request.num_accepted_draft_tokens += num_accepted
+        stats = self._stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafted
+        stats.num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            stats.accepted_per_pos[pos] += 1
+        acceptance = self._acceptance.get(request.request_id)
+        if acceptance is None:
+            acceptance = self._acceptance[request.request_id] = _Acceptance()
+        acceptance.update(num_drafted, num_accepted)
+
+    def take_stats(self) -> SpecDecodingStats | None:
+        """The counters since the last call (None if nothing was verified), reset."""
+        stats = self._stats
+        if not stats.num_drafts:
+            return None
+        self._stats = SpecDecodingStats(accepted_per_pos=[0] * self.k)
+        return stats
