@@ -7,14 +7,17 @@ The default model (SmolLM2-135M-Instruct, its Q4_1 GGUF as shipped), greedy, two
   variable names of a snippet): where prompt lookup and suffix decoding can draft;
 - ``chat``: free chat (``benchmarks.common.CHAT_PROMPTS``): little to copy.
 
-For each configuration (``off``, ``ngram``, ``suffix``, ``ngram-always``: ngram without the
-load rule that stops drafting above 16 running requests; ``--configs``) every prompt runs
-alone (batch 1), one after the other, then all requests of ``--batch-sizes`` at once
-(distinct pairs of chat prompts); tokens/s counts the output tokens after each request's first one
-over the time from the step that gave the last first token to the end (batch 1: summed over
-the prompts). Mean accepted length = 1 + accepted drafts per verified step (the
-tokens a step that verified drafts emitted). Greedy outputs must be the same in every
-configuration: the script says how many differ (0 expected).
+Each of ``--repeats`` rounds starts a fresh engine per configuration (``off``, ``ngram``,
+``suffix``, ``ngram-always``: ngram without the load rule that stops drafting above 16
+running requests; ``--configs``), so suffix decoding's shared trie never holds an earlier
+round's answers. In a round every prompt runs alone (batch 1) on each configuration in
+turn, then all requests of ``--batch-sizes`` at once (distinct pairs of chat prompts), again
+configuration by configuration. tokens/s counts the output tokens after each request's
+first one over the time from the step that gave the last first token to the end (batch 1:
+summed over the prompts); the table has each cell's median over the rounds and every
+round's figure. Mean accepted length = 1 + accepted drafts per verified step (the tokens a
+step that verified drafts emitted). Greedy outputs must be the same in every configuration:
+the script says how many differ (0 expected).
 
     python -m benchmarks.spec_decode                      # batch 1 both workloads, batch 32 and 64
     python -m benchmarks.spec_decode --batch-sizes "" --max-tokens 32   # batch 1 only, short
@@ -133,43 +136,50 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
     names = args.configs.split(",")
     print(f"CPU: {_cpu_name()}; model {model}; load before: {load_average()}", flush=True)
-    cores = {}
-    for name in names:
+    def start(name: str) -> EngineCore:
         spec = CONFIGS[name] % {"k": args.k} if CONFIGS[name] else ""
-        cores[name] = EngineCore(EngineConfig(
+        core = EngineCore(EngineConfig(
             model=model, num_threads=args.threads, adaptive_threads=False, max_num_seqs=max([1, *sizes]),
             max_model_len=1024, speculative_config=spec,
         ))
-    torch.set_num_threads(args.threads)
-    for core in cores.values():
-        run_batch(core, [workloads["chat"][0]], 8, eos, "warm")
+        torch.set_num_threads(args.threads)
+        run_batch(core, [[1, 2, 3]], 4, eos, "warm")  # first-use costs out of the timing
+        return core
+
     batches = {size: [_chat_ids(tokenizer, text) for text in _batch_prompts(size)] for size in sizes}
     # cell (config, workload, batch) -> rates of each round, (verified steps, accepted), tokens
     rates: dict[tuple[str, str, int], list[float]] = collections.defaultdict(list)
     spec_counts: dict[tuple[str, str, int], tuple[int, int]] = {}
     answers: dict[tuple[str, str, int], list[list[int]]] = {}
-    for r in range(args.repeats):  # the configurations by turns, round after round
-        for name, core in cores.items():
-            for workload, prompts in workloads.items():
-                outs, decoded, seconds, steps, accepted = [], 0, 0.0, 0, 0
-                for i, ids in enumerate(prompts):
+    for r in range(args.repeats):
+        # A fresh engine per round: suffix decoding's shared trie holds no answer of an
+        # earlier round (the same greedy prompts would find their own answers there).
+        cores = {name: start(name) for name in names}
+        for workload, prompts in workloads.items():
+            # Prompt by prompt, every configuration in turn: the VM's drift falls on all alike.
+            tally = {name: [[], 0, 0.0, 0, 0] for name in names}  # outs, decoded, seconds, steps, accepted
+            for i, ids in enumerate(prompts):
+                for name, core in cores.items():
                     (out,), (n, t), s, a = run_batch(core, [ids], args.max_tokens, eos, f"{workload}{i}-{r}")
-                    outs.append(out)
-                    decoded += n
-                    seconds += t
-                    steps += s
-                    accepted += a
+                    cell_tally = tally[name]
+                    cell_tally[0].append(out)
+                    cell_tally[1] += n
+                    cell_tally[2] += t
+                    cell_tally[3] += s
+                    cell_tally[4] += a
+            for name, (outs, decoded, seconds, steps, accepted) in tally.items():
                 cell = (name, workload, 1)
                 rates[cell].append(decoded / seconds)
                 spec_counts[cell], answers[cell] = (steps, accepted), outs
-            for size, prompts in batches.items():
+        for size, prompts in batches.items():
+            for name, core in cores.items():
                 outs, (n, t), steps, accepted = run_batch(core, prompts, args.max_tokens, eos, f"b{size}-{r}")
                 cell = (name, "chat", size)
                 rates[cell].append(n / t)
                 spec_counts[cell], answers[cell] = (steps, accepted), outs
+        for core in cores.values():
+            core.shutdown()
         print(f"round {r + 1} of {args.repeats} done; load {load_average()}", flush=True)
-    for core in cores.values():
-        core.shutdown()
     header = ["config", "workload", "batch", "tok/s (median)", "vs off", "runs", "mean accepted length", "tokens"]
     rows = []
     for (name, workload, batch), runs in rates.items():

@@ -297,15 +297,21 @@ class ModelRunner:
         if mask is not None:
             self.structured.apply(logits, mask)  # before sampling: logprobs see the mask
         if mask is None and self._argmax_suffices(sampling):
-            tokens = self.sampler.argmax(logits).tolist()
-        else:
-            result = self.sampler(logits, self._sampling_metadata(sampling, logits.device))
-            tokens = result.sampled_token_ids.tolist()
-            for row, request in enumerate(requests):
-                num = request.sampling_params.logprobs
-                if num is not None and result.logprobs is not None:
-                    out.logprobs[request.request_id] = result.logprobs.to_logprobs([row], num)
-        _take_tokens(sampling, tokens, out)
+            _take_tokens(sampling, self.sampler.argmax(logits).tolist(), out)
+            return out
+        result = self.sampler(logits, self._sampling_metadata(sampling, logits.device))
+        _take_tokens(sampling, result.sampled_token_ids.tolist(), out)
+        if result.logprobs is None:
+            return out
+        row = 0
+        while row < len(sampling):  # a request's rows are consecutive
+            entry = sampling[row].entry
+            rid = entry.request.request_id
+            num = entry.request.sampling_params.logprobs
+            if num is not None:  # the rows of its accepted drafts and of the token after them
+                kept = len(out.accepted.get(rid, ())) + 1
+                out.logprobs[rid] = result.logprobs.to_logprobs(range(row, row + kept), num)
+            row += len(entry.spec_token_ids) + 1
         return out
 
     def _sample(self, sampling: list[SampleRow], hidden: torch.Tensor) -> torch.Tensor:

@@ -10,6 +10,7 @@ from tandem.protocol.outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
     IterationStats,
+    Logprobs,
     TokenColumns,
 )
 
@@ -59,6 +60,10 @@ class StepOutputs:
             new_token_ids = entry.new_token_ids if entry.spec_token_ids else [token]
             if not new_token_ids:
                 continue
+            new_logprobs = logprobs.get(rid)
+            if new_logprobs is not None and len(new_logprobs) > len(new_token_ids):  # a stop among the drafts
+                n = len(new_token_ids)
+                new_logprobs = Logprobs(new_logprobs.token_ids[:n], new_logprobs.logprobs[:n], new_logprobs.ranks[:n])
             if len(new_token_ids) == 1 and request.finish_reason is None and rid not in logprobs and rid not in prompt_logprobs:
                 plain_ids.append(rid)
                 plain_tokens.append(new_token_ids[0])
@@ -68,7 +73,7 @@ class StepOutputs:
                 EngineCoreOutput(
                     request_id=rid,
                     new_token_ids=new_token_ids,
-                    new_logprobs=logprobs.get(rid),
+                    new_logprobs=new_logprobs,
                     new_prompt_logprobs=prompt_logprobs.get(rid),
                     finish_reason=request.finish_reason,
                     stop_reason=request.stop_reason,

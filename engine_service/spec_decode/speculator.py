@@ -6,12 +6,12 @@ were accepted after the step (``record``). It owns the proposer (n-gram prompt l
 suffix decoding, by ``SpeculativeConfig.method``), the load rules that turn speculation
 off, and the step's counters for the metrics.
 
-A request drafts when it decodes (one known token left to compute, no placeholder) and
-nothing of it needs per-position state the verification does not carry yet: structured
-output (the grammar would have to advance through the drafts), logprobs, pooling, or a
-request that opted out (``SamplingParams.speculative``). Everything else (temperature,
-top-k/p, min-p, penalties, logit bias, seeds, min_tokens, stop tokens, max_tokens) is
-exact through ``verify`` (rejection.py).
+A request drafts when it decodes (one known token left to compute, no placeholder), unless
+it has structured output (the grammar would have to advance through the drafts), is a
+pooling request or opted out (``SamplingParams.speculative``). Everything else
+(temperature, top-k/p, min-p, penalties, logit bias, seeds, min_tokens, stop tokens,
+max_tokens, logprobs: each emitted token's own row) is exact through ``verify``
+(rejection.py).
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ class _Acceptance:
 
     __slots__ = ("accepted", "idle", "tries")
     DECAY = 0.8  # per verified step
-    PRIOR = (1.6, 2.0)  # (accepted, tries): a new request starts at 0.8 and drafts
 
-    def __init__(self) -> None:
-        self.accepted, self.tries = self.PRIOR
+    def __init__(self, prior: float) -> None:
+        # (accepted, tries) worth two tries at the proposer's prior rate
+        self.accepted, self.tries = 2.0 * prior, 2.0
         self.idle = 0  # decode steps without drafts since the last one (low acceptance)
 
     @property
@@ -77,6 +77,12 @@ class Speculator(SchedulerFeature):
         self.config = config
         self.k = config.num_speculative_tokens
         self.token_cost = config.token_cost(device_type)
+        # A new request's acceptance rate before it has verified anything: an n-gram draft
+        # continues an exact match of the tail (and drafts only then); a suffix draft is
+        # the trie's best guess, and there always is one. (SmolLM2-135M, benchmarks/NOTES.md,
+        # issue 46: suffix decoding at 0.8 lost 8% on free chat; n-gram at 0.5 drafted too
+        # little at first on copy-heavy prompts.)
+        self._prior = 0.8 if config.method == "ngram" else 0.5
         self._acceptance: dict[str, _Acceptance] = {}
         self._stats = SpecDecodingStats(accepted_per_pos=[0] * self.k)
         if config.method == "ngram":
@@ -137,16 +143,17 @@ class Speculator(SchedulerFeature):
             return []
         acceptance = self._acceptance.get(request.request_id)
         if acceptance is None:
-            acceptance = self._acceptance[request.request_id] = _Acceptance()
+            acceptance = self._acceptance[request.request_id] = _Acceptance(self._prior)
         cost = self.step_share(num_running)
-        k = best_draft_length(acceptance.rate, room, cost)
+        rate = acceptance.rate
+        k = best_draft_length(rate, room, cost)
         if k == 0:  # low acceptance: a one-token probe now and then
             acceptance.idle += 1
             if acceptance.idle < self.config.probe_interval:
                 return []
             k = 1
         acceptance.idle = 0
-        return self._propose(request, k, cost)
+        return self._propose(request, k, cost, rate)
 
     def step_share(self, num_running: int) -> float:
         """What one draft token of each of ``num_running`` requests adds to a step, as a
@@ -157,16 +164,18 @@ class Speculator(SchedulerFeature):
         c, b = self.token_cost, max(1, num_running)
         return c * b / (1.0 + c * (b - 1))
 
-    def _propose(self, request: Request, room: int, cost: float) -> list[int]:
+    def _propose(self, request: Request, room: int, cost: float, rate: float) -> list[int]:
         """The proposer's draft of at most ``room`` tokens after ``request``'s tokens; suffix
-        decoding's cut where its own running probabilities stop paying for their rows."""
+        decoding's cut where its path probabilities (each at most the request's ``rate`` to
+        that power: the trie's counts are optimistic) stop paying for their rows."""
         if self._ngram is not None:
             return self._ngram.propose(request.all_token_ids, room)
         assert self._suffix is not None
         draft, probs = self._suffix.propose_with_probs(request.request_id, room)
-        best_k, best, expected = 0, 1.0, 1.0
+        best_k, best, expected, power = 0, 1.0, 1.0, 1.0
         for k, p in enumerate(probs, 1):
-            expected += p
+            power *= rate
+            expected += min(p, power)
             value = expected / (1.0 + cost * k)
             if value > best * 1.0001:
                 best_k, best = k, value
@@ -180,7 +189,6 @@ class Speculator(SchedulerFeature):
             and request.num_computed_tokens == request.num_tokens - 1
             and request.structured is None
             and request.pooling_params is None
-            and params.logprobs is None
             and not request.prompt_logprobs_pending
             and params.speculative
         )
@@ -198,7 +206,7 @@ class Speculator(SchedulerFeature):
             stats.accepted_per_pos[pos] += 1
         acceptance = self._acceptance.get(request.request_id)
         if acceptance is None:
-            acceptance = self._acceptance[request.request_id] = _Acceptance()
+            acceptance = self._acceptance[request.request_id] = _Acceptance(self._prior)
         acceptance.update(num_drafted, num_accepted)
 
     def take_stats(self) -> SpecDecodingStats | None:
