@@ -139,6 +139,7 @@ NON_NUMERIC = {
     "detokenize",
     "output_kind",
     "structured_outputs",
+    "speculative",
 }
 
 
