@@ -150,21 +150,26 @@ def _engine_pid(log: str, index: int) -> int:
     return [int(p) for p in re.findall(rf"engine {index} started \(pid (\d+)\)", log)][-1]
 
 
-@pytest.fixture(scope="module")
-def serve(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+def _serve(model_dir: str, log_dir: Path, *engine_args: str) -> Iterator[ServiceProcess]:
+    """``tandem serve --engines 2`` on the model, SERVING; ``engine_args`` after ENGINE_ARGS."""
     port, engine_port = serve_ports(2)
     args = [
-        "serve", "--model", tiny_llama_dir, "--engines", "2", "--host", "127.0.0.1", "--port", str(port),
+        "serve", "--model", model_dir, "--engines", "2", "--host", "127.0.0.1", "--port", str(port),
         "--engine-base-port", str(engine_port), "--metrics-port", "0", "--engine-metrics-base-port", "0",
         "--http-port", "0", "--connect-timeout", str(START_TIMEOUT), "--drain-timeout", str(DRAIN_TIMEOUT),
-        "--restart-backoff", "0.5", "--", *ENGINE_ARGS,
+        "--restart-backoff", "0.5", "--", *ENGINE_ARGS, *engine_args,
     ]
-    proc = ServiceProcess.spawn("serve", args, f"127.0.0.1:{port}", Path(tmp_path_factory.mktemp("migration")))
+    proc = ServiceProcess.spawn("serve", args, f"127.0.0.1:{port}", log_dir)
     try:
         proc.wait_serving()
         yield proc
     finally:
         proc.stop(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def serve(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    yield from _serve(tiny_llama_dir, Path(tmp_path_factory.mktemp("migration")))
 
 
 @pytest.fixture(scope="module")
@@ -237,19 +242,7 @@ SPECULATIVE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_m
 @pytest.fixture(scope="module")
 def spec_serve(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
     """The same deployment with n-gram speculative decoding in both engines."""
-    port, engine_port = serve_ports(2)
-    args = [
-        "serve", "--model", tiny_llama_dir, "--engines", "2", "--host", "127.0.0.1", "--port", str(port),
-        "--engine-base-port", str(engine_port), "--metrics-port", "0", "--engine-metrics-base-port", "0",
-        "--http-port", "0", "--connect-timeout", str(START_TIMEOUT), "--drain-timeout", str(DRAIN_TIMEOUT),
-        "--restart-backoff", "0.5", "--", *ENGINE_ARGS, "--speculative-config", SPECULATIVE,
-    ]
-    proc = ServiceProcess.spawn("serve", args, f"127.0.0.1:{port}", Path(tmp_path_factory.mktemp("spec_migration")))
-    try:
-        proc.wait_serving()
-        yield proc
-    finally:
-        proc.stop(timeout=60)
+    yield from _serve(tiny_llama_dir, Path(tmp_path_factory.mktemp("spec_migration")), "--speculative-config", SPECULATIVE)
 
 
 def test_with_speculation_streams_equal_and_continue_exactly_after_a_sigkill(

@@ -56,6 +56,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "half.h"
 #include "work_stealing.h"
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -148,20 +149,7 @@ void quantize_rows(const float* x, int64_t ldx, int64_t m, int64_t k, int8_t* q,
   });
 }
 
-// float16 bits -> float32, exactly (the portable loops' conversion).
-inline float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exponent = (h >> 10) & 0x1Fu, mantissa = h & 0x3FFu;
-  if (exponent == 0) {
-    const float f = static_cast<float>(mantissa) * 5.9604644775390625e-8f;
-    return sign ? -f : f;
-  }
-  const uint32_t bits =
-      sign | (exponent == 0x1F ? 0x7F800000u | (mantissa << 13) : ((exponent + 112) << 23) | (mantissa << 13));
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
+using tandem_cpu::half_to_float;
 inline float to_float(float v) { return v; }
 inline float to_float(uint16_t v) { return half_to_float(v); }
 
@@ -290,14 +278,7 @@ inline void int4_block(const QuantizedX& xq, int64_t r0, const uint8_t* codes, c
 #elif defined(__AVX2__)
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {
-#if defined(__F16C__)
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-#else
-  return _mm256_setr_ps(half_to_float(p[0]), half_to_float(p[1]), half_to_float(p[2]), half_to_float(p[3]),
-                        half_to_float(p[4]), half_to_float(p[5]), half_to_float(p[6]), half_to_float(p[7]));
-#endif
-}
+inline __m256 load8(const uint16_t* p) { return tandem_cpu::load_half8(p); }
 
 // As AVX-512's without VNNI: int16 pair sums over the group (4-bit), or widened at once (5-bit).
 template <bool Wide>
