@@ -21,6 +21,7 @@ from engine_service.lora import LoRAManager
 from engine_service.prompt_outputs import pool, prompt_logprobs
 from engine_service.request import Request
 from engine_service.sampler import (
+    LogprobsTensors,
     Sampler,
     SamplingMetadata,
     argmax_suffices,
@@ -300,18 +301,7 @@ class ModelRunner:
             _take_tokens(sampling, self.sampler.argmax(logits).tolist(), out)
             return out
         result = self.sampler(logits, self._sampling_metadata(sampling, logits.device))
-        _take_tokens(sampling, result.sampled_token_ids.tolist(), out)
-        if result.logprobs is None:
-            return out
-        row = 0
-        while row < len(sampling):  # a request's rows are consecutive
-            entry = sampling[row].entry
-            rid = entry.request.request_id
-            num = entry.request.sampling_params.logprobs
-            if num is not None:  # the rows of its accepted drafts and of the token after them
-                kept = len(out.accepted.get(rid, ())) + 1
-                out.logprobs[rid] = result.logprobs.to_logprobs(range(row, row + kept), num)
-            row += len(entry.spec_token_ids) + 1
+        _take_tokens(sampling, result.sampled_token_ids.tolist(), out, result.logprobs)
         return out
 
     def _sample(self, sampling: list[SampleRow], hidden: torch.Tensor) -> torch.Tensor:
@@ -417,19 +407,26 @@ class SampleRow:
         return outputs + self.entry.spec_token_ids[: self.offset] if self.offset else outputs
 
 
-def _take_tokens(sampling: list[SampleRow], tokens: list[int], out: RunnerOutput) -> None:
+def _take_tokens(
+    sampling: list[SampleRow], tokens: list[int], out: RunnerOutput, logprobs: LogprobsTensors | None = None
+) -> None:
     """Each request's sampled token into ``out``; a request with drafts verifies them
-    against its rows' tokens (``verify``): the accepted ones, then the row's token after them."""
+    against its rows' tokens (``verify``): the accepted ones, then the row's token after them.
+    With ``logprobs``, a request that asked for them gets those of each token it emits (its
+    rows are consecutive: the accepted drafts' and the one after them)."""
     i = 0
     while i < len(sampling):
         entry = sampling[i].entry
         rid = entry.request.request_id
         drafts = entry.spec_token_ids
-        if not drafts:
+        if drafts:
+            out.accepted[rid], out.sampled[rid] = verify(drafts, tokens[i : i + len(drafts) + 1])
+        else:
             out.sampled[rid] = tokens[i]
-            i += 1
-            continue
-        out.accepted[rid], out.sampled[rid] = verify(drafts, tokens[i : i + len(drafts) + 1])
+        num = entry.request.sampling_params.logprobs
+        if logprobs is not None and num is not None:
+            kept = len(out.accepted.get(rid, ())) + 1
+            out.logprobs[rid] = logprobs.to_logprobs(range(i, i + kept), num)
         i += len(drafts) + 1
 
 def _sampler_for(config: EngineConfig) -> Sampler:

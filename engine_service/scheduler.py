@@ -414,8 +414,7 @@ class Scheduler:
         self.kv.cache_blocks(request)  # full blocks of known tokens only (the drafts are not yet)
         if self.speculator is not None:
             self.speculator.record(request, drafted, len(kept))
-        if request.times.first_token is None:
-            request.times.prefill_chunks.append((self._step_start, now, entry.num_new_tokens))
+        self._pooled_or_chunk(entry, (), now)  # (a decode is never a pooling request)
         for t in (*kept, token):
             request.append_output_token(t)
             entry.new_token_ids.append(t)

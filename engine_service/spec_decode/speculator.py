@@ -16,6 +16,7 @@ max_tokens, logprobs: each emitted token's own row) is exact through ``verify``
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -62,10 +63,15 @@ class _Acceptance:
 def best_draft_length(rate: float, room: int, cost: float) -> int:
     """The k in [0, room] that maximizes expected tokens per step time,
     ``(1 + rate + ... + rate^k) / (1 + cost k)`` (0: a plain step is best)."""
-    best_k, best, expected, power = 0, 1.0, 1.0, 1.0
-    for k in range(1, room + 1):
-        power *= rate
-        expected += power
+    return best_prefix([rate**i for i in range(1, room + 1)], cost)
+
+
+def best_prefix(held: Sequence[float], cost: float) -> int:
+    """The k in [0, len(held)] that maximizes ``(1 + held[0] + ... + held[k-1]) / (1 + cost k)``,
+    ``held[i]``: the chance that the first i + 1 drafts all hold (0: a plain step is best)."""
+    best_k, best, expected = 0, 1.0, 1.0
+    for k, p in enumerate(held, 1):
+        expected += p
         value = expected / (1.0 + cost * k)
         if value > best * 1.0001:
             best_k, best = k, value
@@ -172,14 +178,7 @@ class Speculator(SchedulerFeature):
             return self._ngram.propose(request.all_token_ids, room)
         assert self._suffix is not None
         draft, probs = self._suffix.propose_with_probs(request.request_id, room)
-        best_k, best, expected, power = 0, 1.0, 1.0, 1.0
-        for k, p in enumerate(probs, 1):
-            power *= rate
-            expected += min(p, power)
-            value = expected / (1.0 + cost * k)
-            if value > best * 1.0001:
-                best_k, best = k, value
-        return draft[:best_k]
+        return draft[: best_prefix([min(p, rate**i) for i, p in enumerate(probs, 1)], cost)]
 
     @staticmethod
     def _eligible(request: Request) -> bool:
