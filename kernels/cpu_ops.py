@@ -101,10 +101,12 @@ def _cpu_fingerprint() -> str:
 
 
 def _extension_name() -> str:
-    """One build per CPU model/flags, torch version and source text (trees with different
-    kernels, e.g. git worktrees, do not rebuild each other's extension)."""
+    """One build per CPU model/flags, torch version, source text and source directory:
+    trees with different kernels (git worktrees) or at different paths (a clone beside
+    the checkout) do not rebuild each other's extension, as torch's loader would for
+    the same name with other source paths."""
     torch_tag = hashlib.sha256(torch.__version__.encode()).hexdigest()[:6]
-    sources = hashlib.sha256()
+    sources = hashlib.sha256(os.path.abspath(_CSRC).encode())
     headers = [os.path.join(_CSRC, name) for name in os.listdir(_CSRC) if name.endswith(".h")]
     for path in sorted([*_SOURCES, *headers]):
         with open(path, "rb") as f:
