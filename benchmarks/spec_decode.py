@@ -9,7 +9,7 @@ The default model (SmolLM2-135M-Instruct, its Q4_1 GGUF as shipped), greedy, two
 
 Each of ``--repeats`` rounds starts a fresh engine per configuration (``off``, ``ngram``,
 ``suffix``, ``ngram-always``: ngram without the load rule that stops drafting above 16
-running requests; ``--configs``), so suffix decoding's shared trie never holds an earlier
+running requests; ``draft``: a draft model, ``--draft-model``; ``--configs``), so suffix decoding's shared trie never holds an earlier
 round's answers. In a round every prompt runs alone (batch 1) on each configuration in
 turn, then all requests of ``--batch-sizes`` at once (distinct pairs of chat prompts), again
 configuration by configuration. tokens/s counts the output tokens after each request's
@@ -21,6 +21,8 @@ the script says how many differ (0 expected).
 
     python -m benchmarks.spec_decode                      # batch 1 both workloads, batch 32 and 64
     python -m benchmarks.spec_decode --batch-sizes "" --max-tokens 32   # batch 1 only, short
+    python -m benchmarks.spec_decode --quantization none --configs off,draft   # the float model, its
+                                                          # 4-bit file as the draft
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ CONFIGS = {
     # ngram without its load rule (disable_by_batch_size 0): what drafting costs at large batches
     "ngram-always": '{"method": "ngram", "num_speculative_tokens": %(k)d, "prompt_lookup_min": 2, '
     '"prompt_lookup_max": 5, "disable_by_batch_size": 0}',
+    # a draft model (--draft-model, loaded as --draft-quantization says)
+    "draft": '{"model": %(draft)s, "num_speculative_tokens": %(k)d, "quantization": "%(draft_quantization)s"}',
 }
 
 
@@ -118,6 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-sizes", default="32,64", help="batched runs (comma-separated; empty: none)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3, help="rounds, the configurations by turns (default 3)")
+    p.add_argument("--quantization", default="auto", help="the target's weights (the engine's --quantization)")
+    p.add_argument("--draft-model", default="", help="config draft: its checkpoint (default: the default model's "
+                   "GGUF file, 4-bit: a draft for the same model dequantized, --quantization none)")
+    p.add_argument("--draft-quantization", default="auto")
     args = p.parse_args(argv)
 
     import torch
@@ -137,10 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     names = args.configs.split(",")
     print(f"CPU: {_cpu_name()}; model {model}; load before: {load_average()}", flush=True)
     def start(name: str) -> EngineCore:
-        spec = CONFIGS[name] % {"k": args.k} if CONFIGS[name] else ""
+        values = {"k": args.k, "draft": json.dumps(args.draft_model or default_model_file()),
+                  "draft_quantization": args.draft_quantization}
+        spec = CONFIGS[name] % values if CONFIGS[name] else ""
         core = EngineCore(EngineConfig(
             model=model, num_threads=args.threads, adaptive_threads=False, max_num_seqs=max([1, *sizes]),
-            max_model_len=1024, speculative_config=spec,
+            max_model_len=1024, speculative_config=spec, quantization=args.quantization,
         ))
         torch.set_num_threads(args.threads)
         run_batch(core, [[1, 2, 3]], 4, eos, "warm")  # first-use costs out of the timing

@@ -8,6 +8,11 @@ turns placeholders into the sampled tokens and applies the stop checks, one step
 later; outputs are token for token those of ``Scheduler``. Entries of requests that
 ended since they were scheduled (finished, or a session turn that ended) are skipped:
 what the step computed for them is dropped.
+
+Speculative decoding: drafts follow a request's known tokens, so a request drafts only
+without a placeholder; ``AsyncStep`` completes the step in flight before scheduling one
+in which a request may draft (``Speculator.may_draft``), and a step with drafts runs to
+the end (it is not pipelinable). Its verified entries are settled as ``Scheduler``'s.
 """
 
 from __future__ import annotations
@@ -42,12 +47,21 @@ class AsyncScheduler(Scheduler):
         return SchedulerOutput(kept, sum(e.num_new_tokens for e in kept), out.preempted_ids)
 
     def update_after_step(
-        self, out: SchedulerOutput, sampled: dict[str, int], pooled: Collection[str] = ()
+        self,
+        out: SchedulerOutput,
+        sampled: dict[str, int],
+        pooled: Collection[str] = (),
+        accepted: dict[str, list[int]] | None = None,
     ) -> None:
         now = time.monotonic()
         for entry in out.scheduled:
             request = entry.request
             if not self.current(entry):
+                continue
+            if entry.spec_token_ids:  # what schedule() counted is settled by the verification
+                request.num_computed_tokens -= entry.num_new_tokens
+                request.num_output_placeholders -= 1
+                self._update_verified(entry, sampled, accepted or {}, now)
                 continue
             if self._pooled_or_chunk(entry, pooled, now):
                 continue

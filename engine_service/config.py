@@ -443,8 +443,8 @@ class EngineConfig:
     def _check_speculative(self) -> None:
         if self.speculative is None:
             return
-        if self.async_scheduling:
-            raise ConfigError("speculative_config is not supported with async_scheduling yet: use one of them")
+        if self.speculative.method == "draft_model" and self.tensor_parallel_size > 1:
+            raise ConfigError("a draft model (speculative_config) is not supported with tensor_parallel_size > 1 yet")
 
     def _check_positive(self, name: str, allow_zero: bool = False) -> None:
         value = getattr(self, name)

@@ -6,7 +6,8 @@
   step (schedule, inputs, outputs, stop checks) overlaps the device's forward. A step
   with anything that reads the previous tokens on the host (``ModelRunner.
   pipelinable``: penalties, structured output, logprobs, pooling, LoRA, tensor
-  parallelism) first completes the step in flight and then runs to the end.
+  parallelism, drafts to verify) first completes the step in flight and then runs to
+  the end; so does a step in which a request may draft (speculative decoding).
 
 ``Execution`` is what both share: the runner, the step observer timing each forward,
 the idle waits of a step with nothing to run, and tensor parallelism's failure rule.
@@ -111,6 +112,9 @@ class AsyncStep:
 
     def step(self) -> EngineCoreOutputs:
         if not self._ready:
+            speculator = self.scheduler.speculator
+            if speculator is not None and speculator.may_draft(self.scheduler.lifecycle.running):
+                self._complete_in_flight()  # drafts follow the tokens still in flight
             sched = self.scheduler.schedule()  # counted as computed, placeholders for its tokens
             pipelinable = self.execution.runner.pipelinable(sched)
             if not pipelinable:
@@ -140,5 +144,6 @@ class AsyncStep:
         # Entries whose request ended since they were scheduled: their tokens are dropped.
         live = {e.request.request_id for e in sched.scheduled if self.scheduler.current(e)}
         result.sampled = {rid: t for rid, t in result.sampled.items() if rid in live}
-        self.scheduler.update_after_step(sched, result.sampled, result.pooled)
+        result.accepted = {rid: a for rid, a in result.accepted.items() if rid in live}
+        self.scheduler.update_after_step(sched, result.sampled, result.pooled, result.accepted)
         self._ready.append(self.outputs.make(sched, result))

@@ -110,6 +110,8 @@ class Scheduler:
         self.speculator = speculator
         self.lifecycle = RequestLifecycle(policy, self._release)
         self.kv_transfer.bind(self.lifecycle)
+        if speculator is not None:
+            speculator.bind(self.lifecycle, max_model_len)
         # Fed by the step observer with each step's tokens and time; bounds prefill times.
         self.prefill_bound = PrefillBound(max_num_batched_tokens)
         self.deadlines = Deadlines(self.lifecycle, self.prefill_bound)

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from engine_service.lora import LoRAManager
     from engine_service.model_runner import ModelRunner
     from engine_service.scheduler import Scheduler
+    from engine_service.spec_decode.draft_model import DraftModel
     from engine_service.startup import KvCaches
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,9 @@ class SleepController:
             self.executor.sleep(level)
         self.runner.release_cuda_graphs()  # they hold the weights' and the cache's addresses
         self.runner.kv_caches = []
+        draft = self._draft_model()
+        if draft is not None:
+            draft.sleep(level)
         if level == 2:
             self.runner.model = None  # type: ignore[assignment]  # the runner's only reference
             if self.lora is not None:  # adapters stay loaded; only the base weights go
@@ -115,9 +119,17 @@ class SleepController:
         elif self.config.torch_device.type == "cuda":
             self.runner.model.to(self.config.torch_device)
         self.runner.kv_caches = self._allocate_kv_caches()
+        draft = self._draft_model()
+        if draft is not None:
+            draft.wake_up()
         self.runner.capture_cuda_graphs()
         self.level = 0
         logger.info("engine %d awake", self.engine_index)
+
+    def _draft_model(self) -> DraftModel | None:
+        """Speculative decoding's draft model, whose memory sleeps with the engine's."""
+        speculator = self.scheduler.speculator
+        return None if speculator is None else speculator.draft_model
 
     def is_sleeping(self) -> bool:
         return self.level > 0

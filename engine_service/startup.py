@@ -45,6 +45,9 @@ from engine_service.models.decoder import DecoderForCausalLM
 from engine_service.models.loader import load_model
 from engine_service.profiler import Profiler
 from engine_service.scheduler import Scheduler
+from engine_service.spec_decode.draft_model import DraftModel, load_draft_model
+from engine_service.spec_decode.speculator import Speculator
+from engine_service.spec_decode.step_costs import decode_seconds, token_cost
 from engine_service.step_observer import StepObserver
 from engine_service.step_outputs import StepOutputs
 from engine_service.structured_output import StructuredOutputManager
@@ -133,8 +136,15 @@ def start_up(
             "could never be scheduled"
         )
     scratch = ScratchForward(config, model, shard_config, executor)
+    # A draft model (speculative decoding) holds as many KV tokens as the target: its
+    # layers take their share of the KV budget.
+    draft = None
+    if config.speculative is not None and config.speculative.method == "draft_model":
+        with _phase(tracer, "load_draft_model"):
+            draft = load_draft_model(config, ops, model_config, max_model_len)
+    draft_block_bytes = 0 if draft is None else kv_cache_block_bytes(draft[1], config.block_size, config.torch_dtype)
     with _phase(tracer, "allocate_kv_cache") as span:
-        num_blocks = num_kv_blocks(config, model, shard_config, max_model_len, executor, scratch)
+        num_blocks = num_kv_blocks(config, model, shard_config, max_model_len, executor, scratch, draft_block_bytes)
         window_blocks = None
         # Sliding-window layers keep only their window's blocks (kv_cache/sliding.py), with
         # one process and no KV connector (whose transfers address one block table).
@@ -175,9 +185,7 @@ def start_up(
                     "speculative decoding is not supported yet for models with sliding-window layers "
                     f"({model_config.architecture}); start without --speculative-config"
                 )
-            from engine_service.spec_decode.speculator import Speculator
-
-            speculator = Speculator(config.speculative, config.torch_device.type)
+            speculator = _speculator(config, ops, model, model_config, num_blocks, draft)
         # Async scheduling is its own scheduler and step, chosen here once.
         scheduler = (AsyncScheduler if config.async_scheduling else Scheduler)(
             kv_manager,
@@ -355,16 +363,18 @@ def num_kv_blocks(
     max_model_len: int,
     executor: TensorParallelExecutor | None,
     scratch: ScratchForward,
+    extra_block_bytes: int = 0,
 ) -> int:
     """KV-cache blocks of this rank's budget; ConfigError when one request of
-    ``max_model_len`` would not fit."""
+    ``max_model_len`` would not fit. ``extra_block_bytes``: what each block costs beyond
+    the model's own (a draft model's blocks, as many as the target's)."""
     cfg = config
     # Per rank: each rank's memory holds its own kv heads of every block; with an
     # uneven split the rank with the most decides.
     sizing = shard_config
     if executor is not None:
         sizing = dataclasses.replace(sizing, num_kv_heads=model.plan.max_num_kv_heads)
-    block_bytes = kv_cache_block_bytes(sizing, cfg.block_size, cfg.torch_dtype)
+    block_bytes = kv_cache_block_bytes(sizing, cfg.block_size, cfg.torch_dtype) + extra_block_bytes
     if cfg.num_gpu_blocks_override is not None:
         num_blocks = cfg.num_gpu_blocks_override
         source = "num_gpu_blocks_override"
@@ -386,6 +396,46 @@ def num_kv_blocks(
             "KV-cache budget or lower max_model_len"
         )
     return num_blocks
+
+
+def _speculator(
+    config: EngineConfig, ops: KernelOps, model: torch.nn.Module, model_config: ModelConfig, num_blocks: int,
+    draft: tuple[torch.nn.Module, ModelConfig, int] | None,
+) -> Speculator:
+    """Speculative decoding's scheduler feature; with a draft model (``load_draft_model``'s),
+    its KV cache of ``num_blocks`` blocks. The costs of a draft row and a draft forward are
+    the config's, or measured here (step_costs.py)."""
+    spec = config.speculative
+    assert spec is not None
+    device, bs, dtype = config.torch_device, config.block_size, config.torch_dtype
+    measured = []
+    cost = spec.draft_token_cost
+    if not cost:
+        cost = token_cost(model, model_config, bs, dtype, device, min(spec.num_speculative_tokens, 8))
+        measured.append("row")
+    if draft is None:
+        logger.info("speculative decoding (%s): a draft row costs %.3f of a decode step%s", spec.method, cost,
+                    " (measured)" if measured else "")
+        return Speculator(spec, cost)
+    draft_model, draft_config, draft_len = draft
+    allocate = functools.partial(allocate_kv_caches, draft_config, num_blocks, bs, dtype, device)
+    proposer = DraftModel(
+        draft_model, allocate(), num_blocks, bs, draft_len, config.max_num_batched_tokens, device,
+        reload=lambda: load_draft_model(config, ops, model_config, draft_len)[0],
+        allocate=allocate,
+    )
+    forward_cost = spec.draft_model_cost
+    if not forward_cost:
+        forward_cost = decode_seconds(draft_model, draft_config, bs, dtype, device) / decode_seconds(
+            model, model_config, bs, dtype, device
+        )
+        measured.append("draft forward")
+    logger.info(
+        "speculative decoding with draft model %s (%d KV blocks): a draft row costs %.3f of a decode step, "
+        "a draft forward %.3f%s", spec.model, num_blocks, cost, forward_cost,
+        f" (measured: {', '.join(measured)})" if measured else "",
+    )
+    return Speculator(spec, cost, proposer, forward_cost)
 
 
 def admission_limits(config: EngineConfig, num_blocks: int) -> AdmissionLimits:

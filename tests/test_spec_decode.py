@@ -30,6 +30,17 @@ from tandem.protocol.sampling_params import SamplingParams
 NGRAM = ('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3, '
          '"draft_token_cost": 0.001}')
 SUFFIX = '{"method": "suffix", "num_speculative_tokens": 4, "draft_token_cost": 0.001}'
+
+
+def draft_spec(model_dir: str, quantization: str = "int8", **extra: object) -> str:
+    """A draft model: the target's own checkpoint, by default with int8 weights (it mostly
+    agrees with the float target, not always: accepted runs and rejections)."""
+    import json
+
+    return json.dumps({"model": model_dir, "num_speculative_tokens": 4, "quantization": quantization,
+                       "draft_token_cost": 0.001, "draft_model_cost": 0.001, **extra})
+
+
 ARCHS = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"]
 SETUPS: dict[str, dict[str, object]] = {
     "fits": dict(max_num_batched_tokens=2048, enable_prefix_caching=False),
@@ -37,6 +48,7 @@ SETUPS: dict[str, dict[str, object]] = {
     "preempt": dict(max_num_batched_tokens=512, num_gpu_blocks_override=14, max_model_len=128,
                     enable_prefix_caching=False),
     "prefix": dict(max_num_batched_tokens=1024, enable_prefix_caching=True),
+    "async": dict(max_num_batched_tokens=64, enable_prefix_caching=True, async_scheduling=True),
 }
 
 
@@ -55,7 +67,10 @@ def test_speculative_config_reads_vllm_json() -> None:
         ('{"method": "ngram"}', "needs 'num_speculative_tokens'"),
         ('{"method": "eagle", "num_speculative_tokens": 2}', "method must be one of ngram, suffix"),
         ('{"method": "ngram", "num_speculative_tokens": 0}', "num_speculative_tokens must be a positive"),
-        ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "unknown or unsupported key"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}', "unknown or unsupported key"),
+        ('{"method": "ngram", "num_speculative_tokens": 2, "model": "x"}', "method 'draft_model' and its 'model'"),
+        ('{"method": "draft_model", "num_speculative_tokens": 2}', "needs 'model'"),
+        ('{"model": "x", "num_speculative_tokens": 2, "quantization": "fp4"}', "quantization must be"),
         ('{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}',
          "prompt_lookup_min"),
         ('{"method": "ngram", "num_speculative_tokens": true}', "must be a number"),
@@ -69,8 +84,10 @@ def test_engine_config_speculative_flag() -> None:
     assert EngineConfig(speculative_config=SUFFIX).speculative == SpeculativeConfig("suffix", 4, draft_token_cost=0.001)
     with pytest.raises(ConfigError, match="not JSON"):
         EngineConfig(speculative_config="{")
-    with pytest.raises(ConfigError, match="async_scheduling"):
-        EngineConfig(speculative_config=NGRAM, async_scheduling=True)
+    draft = SpeculativeConfig.parse('{"model": "/m", "num_speculative_tokens": 3}')  # vLLM's shorthand
+    assert (draft.method, draft.model, draft.quantization) == ("draft_model", "/m", "auto")
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        EngineConfig(speculative_config='{"model": "/m", "num_speculative_tokens": 3}', tensor_parallel_size=2)
 
 
 def test_verify_accepts_the_drafts_the_target_sampled() -> None:
@@ -94,7 +111,6 @@ def test_draft_length_pays_for_its_rows() -> None:
     speculator = Speculator(SpeculativeConfig("ngram", 4, draft_token_cost=0.25))
     shares = [speculator.step_share(b) for b in (1, 2, 4, 16, 64)]
     assert shares[0] == 0.25 and shares == sorted(shares) and shares[-1] < 1.0
-    assert SpeculativeConfig("ngram", 4).token_cost("cuda") < SpeculativeConfig("ngram", 4).token_cost("cpu")
 
 
 # ---- engines: drafts on and off -------------------------------------------------------------
@@ -129,18 +145,25 @@ def _repetitive_prompts(vocab: int, seed: int) -> list[list[int]]:
     return prompts
 
 
-def _accepted_counter(core: EngineCore) -> Callable[[], int]:
-    """Accepted draft tokens so far (the scheduler's speculator records them per request)."""
+def _spec_counts(core: EngineCore) -> Counter[str]:
+    """Draft tokens ``drafted`` and ``accepted`` so far, kept up to date (the scheduler's
+    speculator records them per request)."""
     speculator = core.scheduler.speculator
     assert speculator is not None
-    seen = {"accepted": 0}
+    seen: Counter[str] = Counter()
     real = speculator.record
 
     def record(request, num_drafted: int, num_accepted: int) -> None:  # type: ignore[no-untyped-def]
-        seen["accepted"] += num_accepted
+        seen.update(drafted=num_drafted, accepted=num_accepted)
         real(request, num_drafted, num_accepted)
 
     speculator.record = record  # type: ignore[method-assign]
+    return seen
+
+
+def _accepted_counter(core: EngineCore) -> Callable[[], int]:
+    """Accepted draft tokens so far."""
+    seen = _spec_counts(core)
     return lambda: seen["accepted"]
 
 
@@ -173,7 +196,7 @@ def test_greedy_tokens_equal_with_each_proposer(arch: str, setup: str, request: 
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (40, 24, 33, 8, 40, 16, 40, 12)]
     want = _run(off, prompts, params)
     off.shutdown()
-    for spec in (NGRAM, SUFFIX):
+    for spec in (NGRAM, SUFFIX, draft_spec(model_dir)):
         on = _engine(model_dir, spec, **SETUPS[setup])
         accepted = _accepted_counter(on)
         got = _run(on, prompts, params)
@@ -182,7 +205,7 @@ def test_greedy_tokens_equal_with_each_proposer(arch: str, setup: str, request: 
         assert accepted() > 0, (setup, spec)  # drafts were accepted: the comparison bites
 
 
-@pytest.mark.parametrize("setup", ["fits", "preempt", "prefix"])
+@pytest.mark.parametrize("setup", ["fits", "preempt", "prefix", "async"])
 def test_greedy_with_long_accepted_runs_and_rejections(setup: str, tiny_llama_dir: str) -> None:
     """The oracle's drafts: most accepted, every third rejected; stop tokens and max_tokens
     inside a run of accepted drafts end the request where they would without drafts."""
@@ -236,6 +259,45 @@ def test_seeded_sampling_is_token_for_token_the_same(tiny_qwen2_dir: str) -> Non
     assert accepted() > 30
     assert _run(on, prompts, params) == want  # and run after run
     on.shutdown()
+
+
+def test_draft_model_keeps_its_kv_in_step(tiny_llama_dir: str) -> None:
+    """The target's own weights as the draft accept every greedy draft: its KV follows each
+    request's accepted tokens (a stale or misplaced row would make drafts wrong). With a
+    draft cache too small for every request, requests give their draft KV back and take
+    turns; every block is free at the end. Seeded sampling is unchanged with an int8
+    draft; the draft sleeps and wakes with the engine."""
+    off = _engine(tiny_llama_dir, max_num_batched_tokens=512)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (7, 60, 21, 90)]
+    greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (30, 25, 40, 12)]
+    seeded = [SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=20, ignore_eos=True) for i in range(4)]
+    want, want_seeded = _run(off, prompts, greedy), _run(off, prompts, seeded)
+    off.shutdown()
+    for blocks in (None, 14):  # 14 blocks of 16: not all four requests' draft KV at once
+        on = _engine(tiny_llama_dir, draft_spec(tiny_llama_dir, "none"), max_num_batched_tokens=512,
+                     num_gpu_blocks_override=blocks, max_model_len=128)
+        counts = _spec_counts(on)
+        assert _run(on, prompts, greedy) == want
+        draft = on.scheduler.speculator.draft_model
+        assert draft.num_free_blocks == draft.num_blocks  # every request's draft KV went back
+        # Float drafts of the target's own weights: argmax ties aside, all accepted.
+        assert counts["drafted"] > 40 and counts["accepted"] >= 0.95 * counts["drafted"], counts
+        on.shutdown()
+    on = _engine(tiny_llama_dir, draft_spec(tiny_llama_dir), max_num_batched_tokens=512)
+    assert _run(on, prompts, seeded) == want_seeded
+    on.sleep(level=2)
+    on.wake_up()
+    assert _run(on, prompts, greedy) == want
+    on.shutdown()
+
+
+def test_draft_model_needs_the_target_s_vocabulary(tiny_llama_dir: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from engine_service.make_model import make_model
+
+    other = make_model(tmp_path / "other", preset="hop", seed=1)  # vocabulary 2048, not 1024
+    with pytest.raises(ConfigError, match="a draft must share the target's tokenizer"):
+        _engine(tiny_llama_dir, draft_spec(other))
 
 
 def _run_logprobs(core: EngineCore, prompts: list[list[int]], params: list[SamplingParams]) -> dict[str, tuple]:

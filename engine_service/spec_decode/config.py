@@ -3,6 +3,7 @@
     --speculative-config '{"method": "ngram", "num_speculative_tokens": 4,
                            "prompt_lookup_min": 2, "prompt_lookup_max": 5}'
     --speculative-config '{"method": "suffix", "num_speculative_tokens": 8}'
+    --speculative-config '{"model": "path/to/small-model", "num_speculative_tokens": 4}'
 
 Keys are vLLM's names; a key Tandem does not read is refused by name rather than ignored.
 """
@@ -13,11 +14,7 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-METHODS = ("ngram", "suffix")
-# A draft token's share of a batch-1 decode step. CPU: SmolLM2-135M's 4-bit decode step took
-# 4.4 ms for 1 row and ~1.25 ms more per row (2-core Xeon, benchmarks/NOTES.md, issue 46); on
-# a GPU a few more rows of a memory-bound step cost little.
-DRAFT_TOKEN_COST = {"cpu": 0.25, "cuda": 0.05}
+METHODS = ("ngram", "suffix", "draft_model")
 
 
 class SpeculativeConfigError(ValueError):
@@ -28,8 +25,12 @@ class SpeculativeConfigError(ValueError):
 class SpeculativeConfig:
     """How drafts are proposed and when speculation steps aside."""
 
-    method: str  # "ngram" (prompt lookup) or "suffix" (suffix decoding)
+    method: str  # "ngram" (prompt lookup), "suffix" (suffix decoding) or "draft_model"
     num_speculative_tokens: int  # k: most draft tokens verified per request and step
+    # draft_model: the draft's checkpoint (a directory or a GGUF file, with the target's
+    # vocabulary) and how its weights load (the engine's --quantization values).
+    model: str = ""
+    quantization: str = "auto"
     # ngram: the longest n-gram in [min, max] that ends the sequence and occurred before.
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
@@ -40,13 +41,16 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 1000
     # Load awareness: no drafts in a step that runs more requests than this (0: never off).
     disable_by_batch_size: int = 16
-    # What one draft token adds to a decode step's time, as a fraction of it (0: the
-    # device's default, DRAFT_TOKEN_COST). Each request drafts the k (<= num_speculative_tokens)
+    # What one draft token adds to a decode step's time, as a fraction of it (0: measured at
+    # start-up on the engine's model and device, step_costs.py). Each request drafts the k (<= num_speculative_tokens)
     # that maximizes its expected tokens per step time, (1 - a^(k+1)) / (1 - a) / (1 + cost k),
     # for its running acceptance rate a; none where no k beats a plain step. A request that
     # stopped drafting tries one draft token every ``probe_interval`` steps.
     draft_token_cost: float = 0.0
     probe_interval: int = 16
+    # draft_model: what one draft token's forward of the draft model costs, as a fraction of
+    # a target decode step (0: measured at start-up, batch 1); it adds to draft_token_cost.
+    draft_model_cost: float = 0.0
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -54,6 +58,15 @@ class SpeculativeConfig:
                 f"speculative method must be one of {', '.join(METHODS)}, got {self.method!r}"
             )
         _positive("num_speculative_tokens", self.num_speculative_tokens)
+        if (self.method == "draft_model") != bool(self.model):
+            raise SpeculativeConfigError(
+                "speculative_config: a draft model needs method 'draft_model' and its 'model' path"
+                if self.model else "speculative_config: method 'draft_model' needs 'model', the draft's checkpoint"
+            )
+        if self.quantization not in ("auto", "none", "int8"):
+            raise SpeculativeConfigError(
+                f"speculative_config quantization must be auto, none or int8, got {self.quantization!r}"
+            )
         _positive("prompt_lookup_min", self.prompt_lookup_min)
         _positive("prompt_lookup_max", self.prompt_lookup_max)
         if self.prompt_lookup_min > self.prompt_lookup_max:
@@ -71,10 +84,8 @@ class SpeculativeConfig:
         if not 0.0 <= self.draft_token_cost <= 10.0:
             raise SpeculativeConfigError(f"draft_token_cost must be in [0, 10], got {self.draft_token_cost}")
         _positive("probe_interval", self.probe_interval)
-
-    def token_cost(self, device_type: str) -> float:
-        """``draft_token_cost``, or the device's default where it is 0."""
-        return self.draft_token_cost or DRAFT_TOKEN_COST.get(device_type, DRAFT_TOKEN_COST["cpu"])
+        if not 0.0 <= self.draft_model_cost <= 10.0:
+            raise SpeculativeConfigError(f"draft_model_cost must be in [0, 10], got {self.draft_model_cost}")
 
     @classmethod
     def parse(cls, text: str | dict[str, Any]) -> SpeculativeConfig:
@@ -95,6 +106,8 @@ class SpeculativeConfig:
                 f"speculative_config: unknown or unsupported key(s) {', '.join(unknown)}; "
                 f"known: {', '.join(sorted(known))}"
             )
+        if "model" in data and "method" not in data:  # vLLM's shorthand for a draft model
+            data = {**data, "method": "draft_model"}
         for name in ("method", "num_speculative_tokens"):
             if name not in data:
                 raise SpeculativeConfigError(f"speculative_config needs {name!r}")

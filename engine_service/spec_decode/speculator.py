@@ -2,9 +2,11 @@
 
 The ``Speculator`` is a scheduler feature (scheduler_hooks.py): the scheduler asks it for a
 decoding request's drafts when it schedules the request (``drafts``), and tells it how many
-were accepted after the step (``record``). It owns the proposer (n-gram prompt lookup or
-suffix decoding, by ``SpeculativeConfig.method``), the load rules that turn speculation
-off, and the step's counters for the metrics.
+were accepted after the step (``record``). It owns the proposer (n-gram prompt lookup,
+suffix decoding or a draft model, by ``SpeculativeConfig.method``), the load rules that
+turn speculation off, and the step's counters for the metrics. A draft model drafts for
+every request of the step at once, in ``before_schedule`` (draft_model.py); ``drafts``
+then hands out what it drafted.
 
 A request drafts when it decodes (one known token left to compute, no placeholder), unless
 it has structured output (the grammar would have to advance through the drafts), is a
@@ -22,9 +24,13 @@ from typing import TYPE_CHECKING
 
 from engine_service.scheduler_hooks import SchedulerFeature, Stop
 from engine_service.spec_decode.config import SpeculativeConfig
+from engine_service.spec_decode.ngram import NgramProposer
+from engine_service.spec_decode.suffix import SuffixProposer
 
 if TYPE_CHECKING:
     from engine_service.request import Request
+    from engine_service.request_lifecycle import RequestLifecycle
+    from engine_service.spec_decode.draft_model import DraftModel
 
 
 @dataclass
@@ -79,35 +85,52 @@ def best_prefix(held: Sequence[float], cost: float) -> int:
 
 
 class Speculator(SchedulerFeature):
-    def __init__(self, config: SpeculativeConfig, device_type: str = "cpu") -> None:
+    def __init__(
+        self, config: SpeculativeConfig, token_cost: float | None = None, draft_model: DraftModel | None = None,
+        draft_cost: float = 0.0,
+    ) -> None:
+        """``token_cost``: a verified draft row's share of a batch-1 decode step (None: the
+        config's ``draft_token_cost``); ``draft_model``: the proposer of ``method ==
+        "draft_model"``; ``draft_cost``: its forward's share of a target decode step."""
         self.config = config
         self.k = config.num_speculative_tokens
-        self.token_cost = config.token_cost(device_type)
+        self.token_cost = config.draft_token_cost if token_cost is None else token_cost
+        self.draft_cost = draft_cost
         # A new request's acceptance rate before it has verified anything: an n-gram draft
         # continues an exact match of the tail (and drafts only then); a suffix draft is
         # the trie's best guess, and there always is one. (SmolLM2-135M, benchmarks/NOTES.md,
         # issue 46: suffix decoding at 0.8 lost 8% on free chat; n-gram at 0.5 drafted too
-        # little at first on copy-heavy prompts.)
-        self._prior = 0.8 if config.method == "ngram" else 0.5
+        # little at first on copy-heavy prompts.) A draft model's guess is in between.
+        self._prior = {"ngram": 0.8, "suffix": 0.5}.get(config.method, 0.7)
         self._acceptance: dict[str, _Acceptance] = {}
         self._stats = SpecDecodingStats(accepted_per_pos=[0] * self.k)
+        self._ngram: NgramProposer | None = None
+        self._suffix: SuffixProposer | None = None
+        self._draft_model = draft_model
         if config.method == "ngram":
-            from engine_service.spec_decode.ngram import NgramProposer
-
-            self._ngram: NgramProposer | None = NgramProposer(
-                config.prompt_lookup_min, config.prompt_lookup_max, self.k
-            )
-            self._suffix = None
-        else:
-            from engine_service.spec_decode.suffix import SuffixProposer
-
-            self._ngram = None
+            self._ngram = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, self.k)
+        elif config.method == "suffix":
             self._suffix = SuffixProposer(
                 self.k,
                 max_tree_depth=config.suffix_decoding_max_tree_depth,
                 min_token_prob=config.suffix_decoding_min_token_prob,
                 max_cached_requests=config.suffix_decoding_max_cached_requests,
             )
+        elif draft_model is None:
+            raise ValueError(f"speculative method {config.method!r} needs its draft model")
+        # With a draft model: the running requests (bind) and this step's drafts.
+        self._lifecycle: RequestLifecycle | None = None
+        self._max_model_len = 0
+        self._drafted: dict[str, list[int]] = {}
+
+    def bind(self, lifecycle: RequestLifecycle, max_model_len: int) -> None:
+        """The scheduler's running requests, which a draft model drafts for in one batch."""
+        self._lifecycle = lifecycle
+        self._max_model_len = max_model_len
+
+    @property
+    def draft_model(self) -> DraftModel | None:
+        return self._draft_model
 
     # ---- the request's life (suffix decoding keeps a trie per request) -------------------
 
@@ -128,6 +151,8 @@ class Speculator(SchedulerFeature):
         self._acceptance.pop(request.request_id, None)
         if self._suffix is not None:
             self._suffix.stop(request.request_id)
+        if self._draft_model is not None:
+            self._draft_model.release(request.request_id)
 
     # ---- drafting -------------------------------------------------------------------------
 
@@ -136,30 +161,73 @@ class Speculator(SchedulerFeature):
         at most k, within the step's token ``budget`` (the known token takes one),
         ``max_model_len`` (the last draft's position stays below it) and the request's
         ``max_tokens`` (its last token this step is the verified one)."""
-        limit = self.config.disable_by_batch_size
-        if limit and num_running > limit:
-            return []
-        if not self._eligible(request):
-            return []
-        params = request.sampling_params
+        if self._draft_model is not None:  # drafted for the whole step in before_schedule
+            return self._drafted.pop(request.request_id, [])[: self._room(request, budget, max_model_len)]
+        k, cost, rate = self._plan(request, num_running, budget, max_model_len)
+        return self._propose(request, k, cost, rate) if k else []
+
+    def _room(self, request: Request, budget: int, max_model_len: int) -> int:
         room = min(self.k, budget - 1, max_model_len - request.num_tokens)
-        if params.max_tokens is not None:
-            room = min(room, params.max_tokens - request.num_output_tokens - 1)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        return room
+
+    def _plan(self, request: Request, num_running: int, budget: int, max_model_len: int) -> tuple[int, float, float]:
+        """(k, cost, rate): how many tokens ``request`` drafts this step (0: none), the
+        cost of a draft token as a share of the step, and its acceptance rate. A request
+        whose rate makes a plain step best drafts one token every ``probe_interval`` steps."""
+        limit = self.config.disable_by_batch_size
+        if (limit and num_running > limit) or not self._eligible(request):
+            return 0, 0.0, 0.0
+        room = self._room(request, budget, max_model_len)
         if room <= 0:
-            return []
+            return 0, 0.0, 0.0
         acceptance = self._acceptance.get(request.request_id)
         if acceptance is None:
             acceptance = self._acceptance[request.request_id] = _Acceptance(self._prior)
-        cost = self.step_share(num_running)
+        cost = self.step_share(num_running) + self.draft_cost
         rate = acceptance.rate
         k = best_draft_length(rate, room, cost)
         if k == 0:  # low acceptance: a one-token probe now and then
             acceptance.idle += 1
             if acceptance.idle < self.config.probe_interval:
-                return []
+                return 0, cost, rate
             k = 1
         acceptance.idle = 0
-        return self._propose(request, k, cost, rate)
+        return k, cost, rate
+
+    def may_draft(self, running: Sequence[Request]) -> bool:
+        """Whether a request of ``running`` may draft in the next step, its tokens in flight
+        counted as known (async scheduling completes them first)."""
+        limit = self.config.disable_by_batch_size
+        if limit and len(running) > limit:
+            return False
+        cost = self.step_share(len(running)) + self.draft_cost
+        for request in running:
+            params = request.sampling_params
+            decoding = request.num_computed_tokens == request.num_tokens + request.num_output_placeholders - 1
+            if not (decoding and params.speculative and request.structured is None
+                    and request.pooling_params is None):
+                continue
+            acceptance = self._acceptance.get(request.request_id)
+            if acceptance is None or acceptance.idle + 1 >= self.config.probe_interval:
+                return True
+            if best_draft_length(acceptance.rate, self.k, cost):
+                return True
+        return False
+
+    def before_schedule(self, now: float) -> None:
+        """With a draft model: every request that drafts this step, drafted in one batch."""
+        if self._draft_model is None or self._lifecycle is None:
+            return
+        running = self._lifecycle.running
+        wanted = []
+        for request in running:
+            k = self._plan(request, len(running), self.k + 1, self._max_model_len)[0]
+            if k:
+                wanted.append((request, k))
+        self._drafted = self._draft_model.propose(wanted) if wanted else {}
 
     def step_share(self, num_running: int) -> float:
         """What one draft token of each of ``num_running`` requests adds to a step, as a
@@ -176,7 +244,8 @@ class Speculator(SchedulerFeature):
         that power: the trie's counts are optimistic) stop paying for their rows."""
         if self._ngram is not None:
             return self._ngram.propose(request.all_token_ids, room)
-        assert self._suffix is not None
+        if self._suffix is None:
+            return []
         draft, probs = self._suffix.propose_with_probs(request.request_id, room)
         return draft[: best_prefix([min(p, rate**i) for i, p in enumerate(probs, 1)], cost)]
 

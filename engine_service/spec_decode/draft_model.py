@@ -1,0 +1,296 @@
+"""Draft-model proposer: a smaller checkpoint with the target's vocabulary drafts greedily.
+
+The draft model runs in the engine's process on the engine's device, with a paged KV cache
+of its own (``num_blocks`` blocks of ``block_size`` tokens, from its own free list). Per
+request it holds the KV of a token prefix, ``_Seq.tokens``; a draft step
+
+1. catches up: the request's tokens after the longest prefix still equal to its own (the
+   accepted drafts and the target's token since the last step; the whole prompt the first
+   time) run as one chunk per request, the last row giving the first draft token;
+2. decodes ``k - 1`` more tokens, one batched decode per token.
+
+Drafts are the draft model's argmax: a point-mass proposer, so verification
+(rejection.py) keeps the target's distribution exactly for every sampling setting. A
+rejected draft's KV needs no undo: the next catch-up starts where the tokens differ and
+writes over it. Requests draft together (``propose`` takes every drafting request of the
+step), so the draft's forwards are batched like the target's.
+
+A request's draft KV lives from its first draft to its end (``release``); when blocks run
+short, the sequences not drafting in this step give theirs back (least recently used
+first), and a request that still does not fit drafts nothing this step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine_service.attention import AttentionMetadata
+
+if TYPE_CHECKING:
+    from engine_service.config import EngineConfig
+    from engine_service.request import Request
+    from kernels.dispatch import KernelOps
+    from tandem.protocol.model_config import ModelConfig
+
+SPLIT_ROWS = 8  # catch-ups of at most this many tokens a request run as a decode batch
+
+
+@dataclass
+class _Seq:
+    """One request's draft KV: ``tokens[i]``'s KV is at position i, in ``blocks``."""
+
+    blocks: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    stable: int = 0  # tokens[:stable] are the request's own (immutable) tokens
+    last_used: int = 0  # the draft step that last used it (eviction order)
+
+
+class DraftModel:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        max_chunk_tokens: int,
+        device: torch.device,
+        reload: Callable[[], torch.nn.Module] | None = None,
+        allocate: Callable[[], list[tuple[torch.Tensor, torch.Tensor]]] | None = None,
+    ) -> None:
+        """``kv_caches``: per layer (key, value), each ``[num_blocks, block_size, kv_heads,
+        head_dim]``; ``max_model_len``: the most positions the draft model drafts at;
+        ``max_chunk_tokens``: most tokens of one catch-up forward (longer catch-ups take
+        several); ``reload`` and ``allocate``: the weights and the KV cache made again
+        (sleep mode's wake-up)."""
+        self.model = model
+        self.kv_caches = kv_caches
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_chunk_tokens = max_chunk_tokens
+        self.device = device
+        self._free = list(range(num_blocks - 1, -1, -1))  # a stack: pop() takes block 0 first
+        self._seqs: dict[str, _Seq] = {}
+        self._step = 0
+        self._reload = reload
+        self._allocate = allocate
+
+    # ---- sleep mode: the draft's memory goes and comes back with the engine's ------------
+
+    def sleep(self, level: int) -> None:
+        """Level 1: the KV cache goes (on CUDA the weights move to host memory); level 2:
+        the weights too."""
+        self.release_all()
+        self.kv_caches = []
+        if level == 2:
+            self.model = None  # type: ignore[assignment]
+        elif self.device.type == "cuda":
+            self.model.to("cpu")
+
+    def wake_up(self) -> None:
+        if self.model is None:
+            if self._reload is None:
+                raise RuntimeError("the draft model cannot be reloaded")
+            self.model = self._reload()
+        elif self.device.type == "cuda":
+            self.model.to(self.device)
+        if not self.kv_caches and self._allocate is not None:
+            self.kv_caches = self._allocate()
+
+    # ---- the requests' KV ----------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def release(self, request_id: str) -> None:
+        """The request ended: its draft KV goes back."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            self._free.extend(reversed(seq.blocks))
+
+    def release_all(self) -> None:
+        """Every request's draft KV goes (before the cache itself is released)."""
+        for rid in list(self._seqs):
+            self.release(rid)
+
+    def _reserve(self, rid: str, num_positions: int, drafting: set[str]) -> _Seq | None:
+        """``rid``'s sequence with blocks for ``num_positions`` positions, evicting
+        sequences outside ``drafting`` (least recently used first) where blocks run
+        short; None if it still does not fit."""
+        seq = self._seqs.get(rid)
+        if seq is None:
+            seq = self._seqs[rid] = _Seq()
+        needed = -(-num_positions // self.block_size) - len(seq.blocks)
+        if needed > len(self._free):
+            idle = sorted((s.last_used, r) for r, s in self._seqs.items() if r not in drafting)
+            for _, victim in idle:
+                self.release(victim)
+                if needed <= len(self._free):
+                    break
+        if needed > len(self._free):
+            if not seq.blocks:
+                del self._seqs[rid]
+            return None
+        for _ in range(max(0, needed)):
+            seq.blocks.append(self._free.pop())
+        seq.last_used = self._step
+        return seq
+
+    # ---- drafting ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def propose(self, wanted: Sequence[tuple[Request, int]]) -> dict[str, list[int]]:
+        """Up to ``k`` greedy draft tokens after each ``(request, k)``'s tokens (every
+        request's known tokens are all but its last computed by the target); a request
+        left out of the answer drafts nothing this step."""
+        self._step += 1
+        drafting = {r.request_id for r, _ in wanted}
+        plans: list[tuple[str, _Seq, list[int], int, int]] = []  # (rid, seq, tokens, start, k)
+        for request, k in wanted:
+            tokens = request.all_token_ids
+            k = min(k, self.max_model_len - len(tokens))
+            if k <= 0:
+                continue
+            rid = request.request_id
+            # Positions written this step: the catch-up's up to len(tokens) - 1, then drafts 1..k-1.
+            seq = self._reserve(rid, len(tokens) + k - 1, drafting)
+            if seq is None:
+                continue
+            plans.append((rid, seq, tokens, _still_valid(seq, tokens), k))
+        if not plans:
+            return {}
+        drafts: dict[str, list[int]] = {rid: [] for rid, *_ in plans}
+        plans_len = {rid: len(tokens) for rid, _, tokens, _, _ in plans}
+        # 1. Catch up to each request's last token, at most max_chunk_tokens a forward.
+        cursor = {rid: start for rid, _, _, start, _ in plans}
+        while True:
+            batch: list[tuple[str, _Seq, list[int], int]] = []  # (rid, seq, chunk, start)
+            budget = self.max_chunk_tokens
+            for rid, seq, tokens, _, _ in plans:
+                start = cursor[rid]
+                if start < len(tokens) and budget > 0:
+                    n = min(len(tokens) - start, budget)
+                    batch.append((rid, seq, tokens[start : start + n], start))
+                    budget -= n
+            if not batch:
+                break
+            out = self._forward([(seq, chunk, start) for _, seq, chunk, start in batch])
+            for (rid, seq, chunk, start), token in zip(batch, out, strict=True):
+                seq.tokens[start:] = chunk
+                cursor[rid] = start + len(chunk)
+                if cursor[rid] == len(seq.tokens) == plans_len[rid]:
+                    drafts[rid].append(token)
+        # 2. Decode: each request's newest draft in, the next one out, until it has k.
+        ks = {rid: k for rid, _, _, _, k in plans}
+        seqs = {rid: seq for rid, seq, *_ in plans}
+        for rid, _, tokens, _, _ in plans:
+            seqs[rid].stable = len(tokens)
+        while True:
+            rows = [rid for rid, d in drafts.items() if d and len(d) < ks[rid]]
+            if not rows:
+                break
+            feed = [(seqs[rid], [drafts[rid][-1]], len(seqs[rid].tokens)) for rid in rows]
+            for (seq, chunk, _), rid, token in zip(feed, rows, self._forward(feed), strict=True):
+                seq.tokens.append(chunk[0])
+                drafts[rid].append(token)
+        return {rid: d for rid, d in drafts.items() if d}
+
+    def _forward(self, feed: Sequence[tuple[_Seq, list[int], int]]) -> list[int]:
+        """One batched forward: each ``(seq, tokens, start)`` computes ``tokens`` at positions
+        ``start...`` into its blocks; the greedy next token after each one's last row.
+        Short chunks (a catch-up after verification) run as a decode: each row its own
+        sequence, its context ending at its position (every row's KV is written before
+        attention reads any), so the native decode loop takes them."""
+        bs = self.block_size
+        split = max(len(tokens) for _, tokens, _ in feed) <= SPLIT_ROWS
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
+        seq_lens: list[int] = []
+        last_rows: list[int] = []
+        width = max(len(seq.blocks) for seq, _, _ in feed)
+        table: list[int] = []
+        for seq, tokens, start in feed:
+            ids.extend(tokens)
+            row_table = seq.blocks + [0] * (width - len(seq.blocks))
+            for p in range(start, start + len(tokens)):
+                positions.append(p)
+                slots.append(seq.blocks[p // bs] * bs + p % bs)
+                if split:
+                    query_start.append(len(positions))
+                    seq_lens.append(p + 1)
+                    table += row_table
+            if not split:
+                query_start.append(len(ids))
+                seq_lens.append(start + len(tokens))
+                table += row_table
+            last_rows.append(len(ids) - 1)
+        dev = self.device
+        attn = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(table, dtype=torch.int32, device=dev).view(len(seq_lens), width),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            max_query_len=1 if split else max(len(t) for _, t, _ in feed),
+            max_seq_len=max(seq_lens),
+        )
+        hidden = self.model(
+            torch.tensor(ids, dtype=torch.int64, device=dev),
+            torch.tensor(positions, dtype=torch.int64, device=dev),
+            self.kv_caches,
+            attn,
+        )
+        if len(last_rows) != hidden.shape[0]:
+            hidden = hidden[last_rows]
+        tokens = self.model.greedy_tokens(hidden)
+        if tokens is None:
+            tokens = self.model.compute_logits(hidden).argmax(dim=-1)
+        return tokens.tolist()
+
+
+def _still_valid(seq: _Seq, tokens: list[int]) -> int:
+    """Where ``seq``'s catch-up starts: its longest prefix equal to ``tokens``, short of the
+    last token (whose row gives the first draft). ``seq.tokens[:seq.stable]`` were the
+    request's tokens at the last draft step, which never change."""
+    start = min(seq.stable, len(seq.tokens), len(tokens) - 1)
+    end = min(len(seq.tokens), len(tokens) - 1)
+    while start < end and seq.tokens[start] == tokens[start]:
+        start += 1
+    return start
+
+
+
+def load_draft_model(config: EngineConfig, ops: KernelOps, target: ModelConfig,
+                     max_model_len: int) -> tuple[torch.nn.Module, ModelConfig, int]:
+    """The draft checkpoint of ``config.speculative``, loaded and packed as the engine's
+    own model would be (its ``quantization``), checked against the ``target``: the same
+    vocabulary, full attention. Returns (model, its config, the positions it drafts at)."""
+    from engine_service.config import ConfigError
+    from engine_service.startup import ModelLoader
+    from tandem.model_source import resolve_model
+
+    spec = config.speculative
+    assert spec is not None and spec.method == "draft_model"
+    draft_config = dataclasses.replace(
+        config, model=resolve_model(spec.model), tokenizer="", quantization=spec.quantization,
+        speculative_config="",
+    )
+    model, model_config = ModelLoader(draft_config, ops, None).load()
+    if model_config.vocab_size != target.vocab_size:
+        raise ConfigError(
+            f"the draft model {spec.model} has a vocabulary of {model_config.vocab_size} tokens, the "
+            f"target {target.vocab_size}: a draft must share the target's tokenizer"
+        )
+    if model_config.sliding_window is not None:
+        raise ConfigError(
+            f"draft models with sliding-window layers ({model_config.architecture}) are not supported yet"
+        )
+    return model, model_config, min(max_model_len, model_config.max_position_embeddings)
