@@ -250,7 +250,10 @@ class ModelRunner:
         sampling = [SampleRow(sched.scheduled[i], j) for i, j in zip(batch.sample_idx, batch.sample_offsets, strict=True)]
         requests = [e.request for e in sampling]
         # Structured-output masks are filled on a worker thread during the forward.
-        mask = self.structured.start_fill(requests) if self.structured is not None else None
+        mask = None
+        if self.structured is not None:
+            drafts = [e.entry.spec_token_ids if e.offset == 0 else () for e in sampling]
+            mask = self.structured.start_fill(requests, drafts)
         if self.lora is not None:
             self.lora.begin_step(
                 [e.request.lora_int_id for e in sched.scheduled], [e.num_new_tokens for e in sched.scheduled]

@@ -9,11 +9,11 @@ every request of the step at once, in ``before_schedule`` (draft_model.py); ``dr
 then hands out what it drafted.
 
 A request drafts when it decodes (one known token left to compute, no placeholder), unless
-it has structured output (the grammar would have to advance through the drafts), is a
-pooling request or opted out (``SamplingParams.speculative``). Everything else
+it is a pooling request or opted out (``SamplingParams.speculative``). Everything else
 (temperature, top-k/p, min-p, penalties, logit bias, seeds, min_tokens, stop tokens,
 max_tokens, logprobs: each emitted token's own row) is exact through ``verify``
-(rejection.py).
+(rejection.py); with structured output, drafts are cut to what the grammar accepts and
+each draft row is masked as if the drafts before it were output (structured_output/).
 """
 
 from __future__ import annotations
@@ -162,9 +162,13 @@ class Speculator(SchedulerFeature):
         ``max_model_len`` (the last draft's position stays below it) and the request's
         ``max_tokens`` (its last token this step is the verified one)."""
         if self._draft_model is not None:  # drafted for the whole step in before_schedule
-            return self._drafted.pop(request.request_id, [])[: self._room(request, budget, max_model_len)]
-        k, cost, rate = self._plan(request, num_running, budget, max_model_len)
-        return self._propose(request, k, cost, rate) if k else []
+            drafts = self._drafted.pop(request.request_id, [])[: self._room(request, budget, max_model_len)]
+        else:
+            k, cost, rate = self._plan(request, num_running, budget, max_model_len)
+            drafts = self._propose(request, k, cost, rate) if k else []
+        if request.structured is not None:  # a draft the grammar refuses would be rejected
+            drafts = request.structured.valid_prefix(request.output_token_ids, drafts)
+        return drafts
 
     def _room(self, request: Request, budget: int, max_model_len: int) -> int:
         room = min(self.k, budget - 1, max_model_len - request.num_tokens)
@@ -207,8 +211,7 @@ class Speculator(SchedulerFeature):
         for request in running:
             params = request.sampling_params
             decoding = request.num_computed_tokens == request.num_tokens + request.num_output_placeholders - 1
-            if not (decoding and params.speculative and request.structured is None
-                    and request.pooling_params is None):
+            if not (decoding and params.speculative and request.pooling_params is None):
                 continue
             acceptance = self._acceptance.get(request.request_id)
             if acceptance is None or acceptance.idle + 1 >= self.config.probe_interval:
@@ -255,7 +258,6 @@ class Speculator(SchedulerFeature):
         return (
             request.num_output_placeholders == 0
             and request.num_computed_tokens == request.num_tokens - 1
-            and request.structured is None
             and request.pooling_params is None
             and not request.prompt_logprobs_pending
             and params.speculative

@@ -6,7 +6,9 @@ Per step (hooks of the core, the scheduler and the runner):
    resolves finished compiles (``poll()``): a request whose constraint did not compile
    ends with INVALID_ARGUMENT; one still compiling stays waiting (passed over,
    ``StructuredRequest.ready``) without holding the batch.
-2. ``start_fill(requests)`` computes the bitmask of the step's constrained sampling rows
+2. ``start_fill(requests, drafts)`` computes the bitmask of the step's constrained sampling
+   rows (with speculative decoding, a row per draft too, as if the drafts before it were
+   output; drafts come cut to what the constraint accepts, ``valid_prefix``)
    on a worker thread (llguidance drops the GIL), overlapping the forward pass;
    ``apply(logits, fill)`` waits for it and masks the logits before sampling, so
    logprobs are those of the masked distribution (as vLLM reports them).
@@ -85,6 +87,11 @@ class StructuredRequest:
         for token in output_token_ids:
             if self.advance(token) is Advance.REJECTED:
                 return
+
+    def valid_prefix(self, output_token_ids: Sequence[int], drafts: list[int]) -> list[int]:
+        """The longest prefix of ``drafts`` that the constraint accepts after the output."""
+        self.sync(output_token_ids)
+        return drafts[: self.matcher.validate_tokens(drafts)] if drafts else drafts
 
     def advance(self, token: int) -> Advance:
         if not self.matcher.consume_token(token):
@@ -209,18 +216,33 @@ class StructuredOutputManager:
 
     # ---- masks -----------------------------------------------------------------
 
-    def start_fill(self, requests: Sequence[Request]) -> MaskFill | None:
+    def start_fill(
+        self, requests: Sequence[Request], drafts: Sequence[Sequence[int]] | None = None
+    ) -> MaskFill | None:
         """Start filling the bitmask of the constrained rows among ``requests`` (row i of
-        the step's logits is requests[i]); None when no row is constrained."""
+        the step's logits is requests[i]); None when no row is constrained. With
+        ``drafts`` (speculative decoding), ``drafts[i]`` are the draft tokens verified
+        after row i, whose rows follow it: each of those rows is masked as if the drafts
+        before it were output (the matcher advanced through them, then rolled back)."""
         rows = [i for i, r in enumerate(requests) if r.structured is not None]
         if not rows:
             return None
-        matchers = []
+        matchers: list[tuple[Any, int, list[int]]] = []
+        skip = 0  # draft rows of the request before: masked with its first row
         for k, i in enumerate(rows):
+            if skip:
+                skip -= 1
+                continue
             request = requests[i]
             request.structured.sync(request.output_token_ids)
-            matchers.append((request.structured.matcher, k))
-        bitmask = np.empty((len(rows), self.words), dtype=np.int32)
+            tokens = list(drafts[i]) if drafts is not None else []
+            matchers.append((request.structured.matcher, k, tokens))
+            skip = len(tokens)
+        # Rows past a draft the grammar refuses are never reached (that draft is rejected):
+        # all tokens allowed there, so they sample something.
+        with_drafts = any(tokens for _, _, tokens in matchers)
+        shape = (len(rows), self.words)
+        bitmask = np.full(shape, -1, dtype=np.int32) if with_drafts else np.empty(shape, dtype=np.int32)
         fill = MaskFill(None, bitmask, torch.tensor(rows, dtype=torch.int64))
         if self.overlap:
             fill.future = self._fill_pool.submit(self._fill, matchers, bitmask)
@@ -228,13 +250,18 @@ class StructuredOutputManager:
             self._fill(matchers, bitmask)
         return fill
 
-    def _fill(self, matchers: list[tuple[Any, int]], bitmask: np.ndarray) -> None:
+    def _fill(self, matchers: list[tuple[Any, int, list[int]]], bitmask: np.ndarray) -> None:
         import llguidance
         import llguidance.numpy
 
         if self._executor is None:
             self._executor = llguidance.LLExecutor(num_threads=1)
-        llguidance.numpy.fill_next_token_bitmask_par(self._executor, matchers, bitmask)
+        plain = [(m, k) for m, k, tokens in matchers if not tokens]
+        if plain:
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, plain, bitmask)
+        drafted = [entry for entry in matchers if entry[2]]  # (llguidance refuses empty drafts)
+        if drafted:
+            llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, bitmask)
 
     def apply(self, logits: torch.Tensor, fill: MaskFill) -> None:
         """Wait for ``fill`` and mask ``logits`` ([B, V], in place) with it."""
