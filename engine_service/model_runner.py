@@ -150,6 +150,8 @@ class ModelRunner:
                     tables.append(block_ids)
                     query_start.append(query_start[-1] + 1)
                     seq_lens.append(start + j + 1)
+                if window:  # (the entry's table is there once already)
+                    window_tables.extend([window_tables[-1]] * (n - 1))
             else:
                 tables.append(block_ids)
                 query_start.append(query_start[-1] + n)

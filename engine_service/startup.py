@@ -180,11 +180,6 @@ def start_up(
         on_failure.callback(structured.close)
         speculator = None
         if config.speculative is not None:
-            if window is not None:
-                raise ConfigError(
-                    "speculative decoding is not supported yet for models with sliding-window layers "
-                    f"({model_config.architecture}); start without --speculative-config"
-                )
             speculator = _speculator(config, ops, model, model_config, num_blocks, draft)
         # Async scheduling is its own scheduler and step, chosen here once.
         scheduler = (AsyncScheduler if config.async_scheduling else Scheduler)(

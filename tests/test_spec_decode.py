@@ -205,6 +205,27 @@ def test_greedy_tokens_equal_with_each_proposer(arch: str, setup: str, request: 
         assert accepted() > 0, (setup, spec)  # drafts were accepted: the comparison bites
 
 
+@pytest.mark.parametrize("arch", ["tiny_mistral_dir", "tiny_gemma2_dir"])
+def test_sliding_window_models(arch: str, request: pytest.FixtureRequest) -> None:
+    """Sliding-window layers (Mistral: every layer, window 32; Gemma 2: every other one)
+    keep their window's blocks only: drafts and their roll-back stay inside what the window
+    keeps (blocks are freed from the step's first query position), with prefix caching
+    and preemption too, for n-gram drafts and a draft model."""
+    model_dir = request.getfixturevalue(arch)
+    kw = dict(max_num_batched_tokens=512, max_model_len=128, num_gpu_blocks_override=24, enable_prefix_caching=True)
+    off = _engine(model_dir, **kw)
+    prompts = _repetitive_prompts(off.model_config.vocab_size, seed=4)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (60, 24, 50, 8, 60, 16, 40, 12)]
+    want = _run(off, prompts, params)
+    off.shutdown()
+    for spec in (NGRAM, draft_spec(model_dir)):
+        on = _engine(model_dir, spec, **kw)
+        accepted = _accepted_counter(on)
+        assert _run(on, prompts, params) == want, spec
+        assert accepted() > 0, spec
+        on.shutdown()
+
+
 @pytest.mark.parametrize("setup", ["fits", "preempt", "prefix", "async"])
 def test_greedy_with_long_accepted_runs_and_rejections(setup: str, tiny_llama_dir: str) -> None:
     """The oracle's drafts: most accepted, every third rejected; stop tokens and max_tokens

@@ -272,7 +272,8 @@ def load_draft_model(config: EngineConfig, ops: KernelOps, target: ModelConfig,
                      max_model_len: int) -> tuple[torch.nn.Module, ModelConfig, int]:
     """The draft checkpoint of ``config.speculative``, loaded and packed as the engine's
     own model would be (its ``quantization``), checked against the ``target``: the same
-    vocabulary, full attention. Returns (model, its config, the positions it drafts at)."""
+    vocabulary. (Sliding-window layers read the draft's one block table, masked to their
+    window.) Returns (model, its config, the positions it drafts at)."""
     from engine_service.config import ConfigError
     from engine_service.startup import ModelLoader
     from tandem.model_source import resolve_model
@@ -288,9 +289,5 @@ def load_draft_model(config: EngineConfig, ops: KernelOps, target: ModelConfig,
         raise ConfigError(
             f"the draft model {spec.model} has a vocabulary of {model_config.vocab_size} tokens, the "
             f"target {target.vocab_size}: a draft must share the target's tokenizer"
-        )
-    if model_config.sliding_window is not None:
-        raise ConfigError(
-            f"draft models with sliding-window layers ({model_config.architecture}) are not supported yet"
         )
     return model, model_config, min(max_model_len, model_config.max_position_embeddings)
