@@ -62,6 +62,8 @@ CONFIGS = {
     '"prompt_lookup_max": 5, "disable_by_batch_size": 0}',
     # a draft model (--draft-model, loaded as --draft-quantization says)
     "draft": '{"model": %(draft)s, "num_speculative_tokens": %(k)d, "quantization": "%(draft_quantization)s"}',
+    "draft-4": '{"model": %(draft)s, "num_speculative_tokens": %(k)d, "quantization": "%(draft_quantization)s", '
+    '"disable_by_batch_size": 4}',
 }
 
 
@@ -122,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-sizes", default="32,64", help="batched runs (comma-separated; empty: none)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3, help="rounds, the configurations by turns (default 3)")
+    p.add_argument("--workloads", default="copy,chat", help="batch-1 workloads (comma-separated; empty: none)")
     p.add_argument("--quantization", default="auto", help="the target's weights (the engine's --quantization)")
     p.add_argument("--draft-model", default="", help="config draft: its checkpoint (default: the default model's "
                    "GGUF file, 4-bit: a draft for the same model dequantized, --quantization none)")
@@ -139,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or default_model_file()
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(model))
     eos = tokenizer.eos_token_id
-    workloads = {"copy": [_chat_ids(tokenizer, t) for t in COPY_PROMPTS],
-                 "chat": [_chat_ids(tokenizer, t) for t in CHAT_PROMPTS]}
+    texts = {"copy": COPY_PROMPTS, "chat": CHAT_PROMPTS}
+    workloads = {w: [_chat_ids(tokenizer, t) for t in texts[w]] for w in args.workloads.split(",") if w.strip()}
     sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
     names = args.configs.split(",")
     print(f"CPU: {_cpu_name()}; model {model}; load before: {load_average()}", flush=True)

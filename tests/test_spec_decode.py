@@ -313,6 +313,21 @@ def test_draft_model_keeps_its_kv_in_step(tiny_llama_dir: str) -> None:
     on.shutdown()
 
 
+@pytest.mark.parametrize("short", [8, 50])
+def test_draft_model_catches_up_only_a_short_output(short: int, tiny_llama_dir: str) -> None:
+    """Above disable_by_batch_size nothing drafts; once the batch shrinks, a request whose
+    output the draft has not seen for more than MAX_OUTPUT_LAG tokens goes on without
+    drafts (catching up would cost a draft prefill of its whole output)."""
+    from engine_service.spec_decode.draft_model import MAX_OUTPUT_LAG
+
+    on = _engine(tiny_llama_dir, draft_spec(tiny_llama_dir, "none", disable_by_batch_size=2))
+    counts = _spec_counts(on)
+    lengths = (short, 100, 100)  # the first ends after `short` tokens: the other two may draft
+    _run(on, [[5, 6, 7, 8]] * 3, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths])
+    on.shutdown()
+    assert (counts["drafted"] > 0) == (short <= MAX_OUTPUT_LAG), counts
+
+
 def test_structured_output_with_drafts(tiny_llama_dir: str) -> None:
     """Constrained requests draft too: drafts are cut to what the grammar accepts and each
     draft row is masked as if the drafts before it were output, so greedy and seeded

@@ -17,7 +17,9 @@ step), so the draft's forwards are batched like the target's.
 
 A request's draft KV lives from its first draft to its end (``release``); when blocks run
 short, the sequences not drafting in this step give theirs back (least recently used
-first), and a request that still does not fit drafts nothing this step.
+first), and a request that still does not fit drafts nothing this step. The draft catches
+up a request's whole prompt, but at most ``MAX_OUTPUT_LAG`` tokens of its output: a request
+that decoded longer without drafts (speculation off under load) does not draft.
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ if TYPE_CHECKING:
     from tandem.protocol.model_config import ModelConfig
 
 SPLIT_ROWS = 8  # catch-ups of at most this many tokens a request run as a decode batch
+# Output tokens of a request the draft may have to catch up on: more (a request that decoded
+# while speculation was off, above disable_by_batch_size) would cost a prefill of the draft
+# for what is left of the request, and it drafts no more. (SmolLM2-135M, float32 target, its
+# 4-bit file as the draft: catching up the tail of a 64-request batch cost 25% of its
+# throughput, benchmarks/NOTES.md, issue 46.)
+MAX_OUTPUT_LAG = 32
 
 
 @dataclass
@@ -143,6 +151,12 @@ class DraftModel:
         seq.last_used = self._step
         return seq
 
+    def output_lag(self, request: Request) -> int:
+        """Output tokens of ``request`` whose KV the draft does not hold."""
+        seq = self._seqs.get(request.request_id)
+        held = 0 if seq is None else _still_valid(seq, request.all_token_ids)
+        return request.num_tokens - max(held, request.num_prompt_tokens)
+
     # ---- drafting ------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -156,7 +170,7 @@ class DraftModel:
         for request, k in wanted:
             tokens = request.all_token_ids
             k = min(k, self.max_model_len - len(tokens))
-            if k <= 0:
+            if k <= 0 or self.output_lag(request) > MAX_OUTPUT_LAG:
                 continue
             rid = request.request_id
             # Positions written this step: the catch-up's up to len(tokens) - 1, then drafts 1..k-1.

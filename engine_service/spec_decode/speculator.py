@@ -18,11 +18,12 @@ each draft row is masked as if the drafts before it were output (structured_outp
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine_service.scheduler_hooks import SchedulerFeature, Stop
+from engine_service.scheduler_hooks import SchedulerFeature
 from engine_service.spec_decode.config import SpeculativeConfig
 from engine_service.spec_decode.ngram import NgramProposer
 from engine_service.spec_decode.suffix import SuffixProposer
@@ -31,6 +32,9 @@ if TYPE_CHECKING:
     from engine_service.request import Request
     from engine_service.request_lifecycle import RequestLifecycle
     from engine_service.spec_decode.draft_model import DraftModel
+
+
+FINISHED_PER_STEP = 4  # finished outputs added to suffix decoding's shared trie per step
 
 
 @dataclass
@@ -118,6 +122,10 @@ class Speculator(SchedulerFeature):
             )
         elif draft_model is None:
             raise ValueError(f"speculative method {config.method!r} needs its draft model")
+        # Suffix decoding: tokens of each request its trie holds; finished outputs waiting
+        # for the shared trie (the newest max_cached_requests).
+        self._suffix_seen: dict[str, int] = {}
+        self._finished: deque[list[int]] = deque(maxlen=max(1, config.suffix_decoding_max_cached_requests))
         # With a draft model: the running requests (bind) and this step's drafts.
         self._lifecycle: RequestLifecycle | None = None
         self._max_model_len = 0
@@ -133,26 +141,34 @@ class Speculator(SchedulerFeature):
         return self._draft_model
 
     # ---- the request's life (suffix decoding keeps a trie per request) -------------------
-
-    def added(self, request: Request) -> None:
-        if self._suffix is not None:
-            self._suffix.start(request.request_id, request.prompt_token_ids)
-            if request.output_token_ids:  # a migrated continuation's output so far
-                self._suffix.extend(request.request_id, request.output_token_ids)
-
-    def after_token(self, request: Request, token: int) -> Stop | None:
-        if self._suffix is not None:
-            self._suffix.extend(request.request_id, (token,))
-        return None
+    # Suffix decoding's tries are kept up lazily: a request's own trie takes the tokens it
+    # has not seen when the request drafts, and finished outputs join the shared trie a few
+    # a step while speculation is on, so a step above disable_by_batch_size pays nothing.
 
     def ended(self, request: Request) -> None:
         """The request finished (its KV released): its state goes (suffix decoding keeps
-        its output in the shared trie)."""
+        its output for the shared trie)."""
         self._acceptance.pop(request.request_id, None)
         if self._suffix is not None:
-            self._suffix.stop(request.request_id)
+            self._suffix.drop(request.request_id)
+            self._suffix_seen.pop(request.request_id, None)
+            if request.output_token_ids:
+                self._finished.append(list(request.output_token_ids))
         if self._draft_model is not None:
             self._draft_model.release(request.request_id)
+
+    def _suffix_sync(self, request: Request) -> None:
+        """``request``'s own trie up to its latest token."""
+        assert self._suffix is not None
+        rid = request.request_id
+        seen = self._suffix_seen.get(rid)
+        if seen is None or not self._suffix.has_request(rid):
+            self._suffix.start(rid, request.prompt_token_ids)
+            seen = request.num_prompt_tokens
+        tokens = request.all_token_ids
+        if seen < len(tokens):
+            self._suffix.extend(rid, tokens[seen:])
+        self._suffix_seen[rid] = len(tokens)
 
     # ---- drafting -------------------------------------------------------------------------
 
@@ -221,10 +237,19 @@ class Speculator(SchedulerFeature):
         return False
 
     def before_schedule(self, now: float) -> None:
-        """With a draft model: every request that drafts this step, drafted in one batch."""
-        if self._draft_model is None or self._lifecycle is None:
+        """Suffix decoding: a few finished outputs into the shared trie. A draft model:
+        every request that drafts this step, drafted in one batch."""
+        if self._lifecycle is None:
             return
         running = self._lifecycle.running
+        limit = self.config.disable_by_batch_size
+        if limit and len(running) > limit:
+            return
+        if self._suffix is not None:
+            for _ in range(min(len(self._finished), FINISHED_PER_STEP)):
+                self._suffix.add_output(self._finished.popleft())
+        if self._draft_model is None:
+            return
         wanted = []
         for request in running:
             k = self._plan(request, len(running), self.k + 1, self._max_model_len)[0]
@@ -249,6 +274,7 @@ class Speculator(SchedulerFeature):
             return self._ngram.propose(request.all_token_ids, room)
         if self._suffix is None:
             return []
+        self._suffix_sync(request)
         draft, probs = self._suffix.propose_with_probs(request.request_id, room)
         return draft[: best_prefix([min(p, rate**i) for i, p in enumerate(probs, 1)], cost)]
 

@@ -424,18 +424,30 @@ class SuffixProposer:
 
     def stop(self, request_id: str) -> None:
         """The request ended: drop its trie and add its output tokens to the global trie
-        (evicting the oldest finished request beyond ``max_cached_requests``). Unknown ids are
-        ignored."""
-        req = self._requests.pop(request_id, None)
-        if req is None or self.max_cached_requests == 0:
+        (``drop`` then ``add_output``). Unknown ids are ignored."""
+        req = self._requests.get(request_id)
+        if req is None:
             return
         output = req.trie.tokens(0)[req.prompt_len :]
-        if not output:
+        self.drop(request_id)
+        self.add_output(output)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    def drop(self, request_id: str) -> None:
+        """Forget the request's own trie (unknown ids are ignored)."""
+        self._requests.pop(request_id, None)
+
+    def add_output(self, output: Sequence[int]) -> None:
+        """A finished request's output tokens into the global trie (evicting the oldest
+        finished request beyond ``max_cached_requests``)."""
+        if not output or self.max_cached_requests == 0:
             return
         sid = self._next_sid
         self._next_sid += 1
         self._global.open(sid)
-        self._global.extend(sid, output)
+        self._global.extend(sid, [int(t) for t in output])
         self._global.close(sid)
         self._cached.append(sid)
         while len(self._cached) > self.max_cached_requests:
