@@ -69,15 +69,14 @@ class ModelRunner:
         self.executor = executor
         # CUDA decode graphs (see engine_service/cuda_graphs.py); None: every step eager.
         self.graphs: DecodeGraphs | None = None
+        rows = decode_rows(config)
         if config.torch_device.type == "cuda" and not config.enforce_eager and lora is None and executor is None:
-            self.graphs = DecodeGraphs(config.max_num_seqs, max_blocks_per_seq, config.torch_device)
+            self.graphs = DecodeGraphs(rows, max_blocks_per_seq, config.torch_device)
         # Eager steps' inputs through persistent pinned buffers (input_staging.py); None:
         # a tensor per list (CPU, where the "copy" is the tensor's construction).
         self.staging: InputStaging | None = None
         if config.torch_device.type == "cuda":
-            self.staging = InputStaging(
-                config.torch_device, config.max_num_batched_tokens, config.max_num_seqs, max_blocks_per_seq
-            )
+            self.staging = InputStaging(config.torch_device, config.max_num_batched_tokens, rows, max_blocks_per_seq)
 
     def capture_cuda_graphs(self) -> None:
         """(Re)capture the decode graphs over the current model and KV cache."""
@@ -433,6 +432,17 @@ def _take_tokens(
             kept = len(out.accepted.get(rid, ())) + 1
             out.logprobs[rid] = logprobs.to_logprobs(range(i, i + kept), num)
         i += len(drafts) + 1
+
+def decode_rows(config: EngineConfig) -> int:
+    """The most sequences of a decode step: ``max_num_seqs``, or with speculative decoding
+    the verified rows of the requests that may draft (each its own sequence), within the
+    step's token budget: the CUDA graphs' and the staging buffers' batch."""
+    rows, spec = config.max_num_seqs, config.speculative
+    if spec is not None:
+        drafting = min(spec.disable_by_batch_size or rows, rows)
+        rows = min(max(rows, drafting * (1 + spec.num_speculative_tokens)), max(rows, config.max_num_batched_tokens))
+    return rows
+
 
 def _sampler_for(config: EngineConfig) -> Sampler:
     """Where the native CPU kernels are in use, the sampler takes their argmax and

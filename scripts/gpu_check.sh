@@ -111,11 +111,11 @@ echo "set-up: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
 
 export PYTHONUNBUFFERED=1
 
-# GPU_CHECK_PARTS picks parts (default "model decode split tests", in that order; "split-f32" adds
+# GPU_CHECK_PARTS picks parts (default "model decode spec split tests", in that order; "split-f32" adds
 # the split in float32 (token parity with in-process), "sync" the in-process run without async
 # scheduling, ~30 s each); SPLIT_MODES narrows the stack's modes, SPLIT_FRONTENDS is tandem
 # serve --frontends.
-PARTS=" ${GPU_CHECK_PARTS:-model decode split tests} "
+PARTS=" ${GPU_CHECK_PARTS:-model decode spec split tests} "
 failed=()
 
 # The real default model on the GPU (scripts/gpu_model_check.py): SmolLM2-135M-Instruct from
@@ -149,6 +149,15 @@ python3 -m benchmarks.gpu_decode --json "$OUT/decode.json" 2>&1 | grep -v '^\[en
 python3 -m benchmarks.gpu_decode --triton-gemv --triton-split-kv --json "$OUT/decode-new.json" 2>&1 \
     | grep -v '^\[engine' | tee "$OUT/decode-new.txt" || true
 echo "after decode: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
+fi
+
+# Speculative decoding on the GPU (benchmarks/spec_decode.py): the default model, batch 1,
+# copy-heavy prompts and free chat, 64 tokens, off against n-gram; verify rows run in the decode
+# graphs (decode_rows). Greedy outputs must not differ.
+if [[ "$PARTS" == *" spec "* ]]; then
+timeout 180 python3 -m benchmarks.spec_decode --configs off,ngram --batch-sizes "" --repeats 1 --max-tokens 64 \
+    2>&1 | grep -v '^\[engine' | tee "$OUT/spec.txt" || failed+=(spec)
+echo "after spec: $(( $(date +%s) - start )) s" | tee -a "$OUT/gpu.txt"
 fi
 
 # The split at GPU speed: bench-135m's shape in bf16, 1,024 requests of 64-512 prompt ids and

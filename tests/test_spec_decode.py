@@ -86,6 +86,11 @@ def test_engine_config_speculative_flag() -> None:
         EngineConfig(speculative_config="{")
     draft = SpeculativeConfig.parse('{"model": "/m", "num_speculative_tokens": 3}')  # vLLM's shorthand
     assert (draft.method, draft.model, draft.quantization) == ("draft_model", "/m", "auto")
+    from engine_service.model_runner import decode_rows  # the decode graphs' batch: verify rows fit
+
+    assert decode_rows(EngineConfig(max_num_seqs=128)) == 128
+    assert decode_rows(EngineConfig(max_num_seqs=128, speculative_config=NGRAM)) == 128  # 16 x (1 + 4) < 128
+    assert decode_rows(EngineConfig(max_num_seqs=8, speculative_config=NGRAM)) == 40
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
         EngineConfig(speculative_config='{"model": "/m", "num_speculative_tokens": 3}', tensor_parallel_size=2)
 
