@@ -236,13 +236,21 @@ def test_a_drained_engine_s_leftovers_continue_exactly(
     _lose_engine_mid_stream(serve, undisturbed, 1, signal.SIGTERM, "engine_drained")
 
 
-SPECULATIVE = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}'
+SPECULATIVE = {
+    "ngram": '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}',
+    "suffix": '{"method": "suffix", "num_speculative_tokens": 4, "draft_token_cost": 0.01}',
+    # the target's own weights in int8 as the draft model
+    "draft_model": '{"model": "%s", "num_speculative_tokens": 4, "quantization": "int8", "draft_model_cost": 0.01}',
+}
 
 
-@pytest.fixture(scope="module")
-def spec_serve(tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
-    """The same deployment with n-gram speculative decoding in both engines."""
-    yield from _serve(tiny_llama_dir, Path(tmp_path_factory.mktemp("spec_migration")), "--speculative-config", SPECULATIVE)
+@pytest.fixture(scope="module", params=list(SPECULATIVE))
+def spec_serve(
+    request: pytest.FixtureRequest, tiny_llama_dir: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServiceProcess]:
+    """The same deployment with speculative decoding in both engines, by each proposer."""
+    spec = SPECULATIVE[request.param].replace("%s", tiny_llama_dir)
+    yield from _serve(tiny_llama_dir, Path(tmp_path_factory.mktemp("spec_migration")), "--speculative-config", spec)
 
 
 def test_with_speculation_streams_equal_and_continue_exactly_after_a_sigkill(
