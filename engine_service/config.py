@@ -143,7 +143,8 @@ class EngineConfig:
         default="",
         metadata={
             "help": "Speculative decoding, as vLLM's JSON object: method 'ngram' (prompt lookup: "
-            "prompt_lookup_min / prompt_lookup_max) or 'suffix' (suffix decoding), "
+            "prompt_lookup_min / prompt_lookup_max), 'suffix' (suffix decoding) or "
+            "'draft_model' (model: a smaller checkpoint with the same vocabulary), "
             "num_speculative_tokens, and disable_by_batch_size (no drafts in a step of more "
             "running requests; default 16). Greedy and seeded outputs are token for token "
             "those without it; sampled ones have the same distribution. Empty: off "

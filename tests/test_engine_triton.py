@@ -34,7 +34,7 @@ CHILD = textwrap.dedent(
     assert core.runner.model is core.model
     vocab = core.model_config.vocab_size
     prompts = [[rng.randrange(5, vocab) for _ in range(n)] for n in (1, 17, 40, 70)]
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     got = {}
     for i, p in enumerate(prompts):
         core.add_request(EngineCoreRequest(str(i), p, params))
@@ -47,8 +47,8 @@ CHILD = textwrap.dedent(
     with torch.inference_mode():
         for p in prompts:
             ids = torch.tensor([p])
-            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
-                              min_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                              min_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
             want.append(out[0, len(p):].tolist())
     print("@@" + json.dumps({"got": [got[str(i)] for i in range(len(prompts))], "want": want,
                              "backend": core.config.resolved_attention_backend}))

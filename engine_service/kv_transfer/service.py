@@ -145,6 +145,9 @@ class KvTransferServer:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=30)
 
     def stop(self) -> None:
+        """Stop serving; idempotent (a second call finds the loop stopped: nothing to wait for)."""
+        if not self._thread.is_alive():
+            return
         with contextlib.suppress(concurrent.futures.TimeoutError, RuntimeError):
             self._run(self.server.stop(None))
         self.loop.call_soon_threadsafe(self.loop.stop)

@@ -58,6 +58,17 @@ class _Seq:
     last_used: int = 0  # the draft step that last used it (eviction order)
 
 
+@dataclass
+class _Plan:
+    """One request's drafting this step."""
+
+    seq: _Seq
+    tokens: list[int]  # the request's tokens; the draft computes up to the last one
+    cursor: int  # the next position to catch up
+    k: int  # drafts wanted
+    drafts: list[int] = field(default_factory=list)
+
+
 class DraftModel:
     def __init__(
         self,
@@ -166,55 +177,46 @@ class DraftModel:
         left out of the answer drafts nothing this step."""
         self._step += 1
         drafting = {r.request_id for r, _ in wanted}
-        plans: list[tuple[str, _Seq, list[int], int, int]] = []  # (rid, seq, tokens, start, k)
+        plans: dict[str, _Plan] = {}
         for request, k in wanted:
             tokens = request.all_token_ids
             k = min(k, self.max_model_len - len(tokens))
             if k <= 0 or self.output_lag(request) > MAX_OUTPUT_LAG:
                 continue
-            rid = request.request_id
-            # Positions written this step: the catch-up's up to len(tokens) - 1, then drafts 1..k-1.
-            seq = self._reserve(rid, len(tokens) + k - 1, drafting)
-            if seq is None:
-                continue
-            plans.append((rid, seq, tokens, _still_valid(seq, tokens), k))
-        if not plans:
-            return {}
-        drafts: dict[str, list[int]] = {rid: [] for rid, *_ in plans}
-        plans_len = {rid: len(tokens) for rid, _, tokens, _, _ in plans}
-        # 1. Catch up to each request's last token, at most max_chunk_tokens a forward.
-        cursor = {rid: start for rid, _, _, start, _ in plans}
+            # Positions written: the catch-up's, up to len(tokens) - 1, then drafts 1..k-1.
+            seq = self._reserve(request.request_id, len(tokens) + k - 1, drafting)
+            if seq is not None:
+                plans[request.request_id] = _Plan(seq, tokens, _still_valid(seq, tokens), k)
+        # 1. Catch up to each request's last token, at most max_chunk_tokens a forward; the
+        #    last token's row gives the first draft.
         while True:
-            batch: list[tuple[str, _Seq, list[int], int]] = []  # (rid, seq, chunk, start)
+            batch: list[tuple[_Plan, list[int]]] = []
             budget = self.max_chunk_tokens
-            for rid, seq, tokens, _, _ in plans:
-                start = cursor[rid]
-                if start < len(tokens) and budget > 0:
-                    n = min(len(tokens) - start, budget)
-                    batch.append((rid, seq, tokens[start : start + n], start))
+            for plan in plans.values():
+                if plan.cursor < len(plan.tokens) and budget > 0:
+                    n = min(len(plan.tokens) - plan.cursor, budget)
+                    batch.append((plan, plan.tokens[plan.cursor : plan.cursor + n]))
                     budget -= n
             if not batch:
                 break
-            out = self._forward([(seq, chunk, start) for _, seq, chunk, start in batch])
-            for (rid, seq, chunk, start), token in zip(batch, out, strict=True):
-                seq.tokens[start:] = chunk
-                cursor[rid] = start + len(chunk)
-                if cursor[rid] == len(seq.tokens) == plans_len[rid]:
-                    drafts[rid].append(token)
+            out = self._forward([(plan.seq, chunk, plan.cursor) for plan, chunk in batch])
+            for (plan, chunk), token in zip(batch, out, strict=True):
+                plan.seq.tokens[plan.cursor :] = chunk
+                plan.cursor += len(chunk)
+                if plan.cursor == len(plan.tokens):
+                    plan.drafts.append(token)
+        for plan in plans.values():
+            plan.seq.stable = len(plan.tokens)
         # 2. Decode: each request's newest draft in, the next one out, until it has k.
-        ks = {rid: k for rid, _, _, _, k in plans}
-        seqs = {rid: seq for rid, seq, *_ in plans}
-        for rid, _, tokens, _, _ in plans:
-            seqs[rid].stable = len(tokens)
         while True:
-            rows = [rid for rid, d in drafts.items() if d and len(d) < ks[rid]]
-            if not rows:
+            decoding = [plan for plan in plans.values() if len(plan.drafts) < plan.k]
+            if not decoding:
                 break
-            feed = [(seqs[rid], [drafts[rid][-1]], len(seqs[rid].tokens)) for rid in rows]
-            for (seq, chunk, _), rid, token in zip(feed, rows, self._forward(feed), strict=True):
-                seq.tokens.append(chunk[0])
-                drafts[rid].append(token)
-        return {rid: d for rid, d in drafts.items() if d}
+            out = self._forward([(plan.seq, [plan.drafts[-1]], len(plan.seq.tokens)) for plan in decoding])
+            for plan, token in zip(decoding, out, strict=True):
+                plan.seq.tokens.append(plan.drafts[-1])
+                plan.drafts.append(token)
+        return {rid: plan.drafts for rid, plan in plans.items()}
 
     def _forward(self, feed: Sequence[tuple[_Seq, list[int], int]]) -> list[int]:
         """One batched forward: each ``(seq, tokens, start)`` computes ``tokens`` at positions
