@@ -444,7 +444,8 @@ def test_a_request_the_step_fails_reports_why(tiny_llama_dir: str, monkeypatch: 
     """An error found while updating after the forward (here: a token outside the
     constraint, the mask skipped on purpose) reaches the outputs with its reason."""
     core = _core(tiny_llama_dir)
-    monkeypatch.setattr(core.structured, "apply", lambda logits, fill: None)
+    # No mask applied; the fill is still waited for (the matchers are its until it ends).
+    monkeypatch.setattr(core.structured, "apply", lambda logits, fill: fill.future and fill.future.result())
     params = SamplingParams(max_tokens=4, temperature=0.0, structured_outputs=SO(regex="q{3}"))
     _, final, _ = _run(core, [EngineCoreRequest("r", [5, 6, 7], params, eos_token_id=2)])
     out = final["r"]

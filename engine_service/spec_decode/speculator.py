@@ -187,11 +187,12 @@ class Speculator(SchedulerFeature):
         return drafts
 
     def _room(self, request: Request, budget: int, max_model_len: int) -> int:
+        """The most drafts ``request`` may verify this step (>= 0)."""
         room = min(self.k, budget - 1, max_model_len - request.num_tokens)
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None:
             room = min(room, max_tokens - request.num_output_tokens - 1)
-        return room
+        return max(0, room)
 
     def _plan(self, request: Request, num_running: int, budget: int, max_model_len: int) -> tuple[int, float, float]:
         """(k, cost, rate): how many tokens ``request`` drafts this step (0: none), the
