@@ -433,6 +433,7 @@ def _take_tokens(
             out.logprobs[rid] = logprobs.to_logprobs(range(i, i + kept), num)
         i += len(drafts) + 1
 
+
 def decode_rows(config: EngineConfig) -> int:
     """The most sequences of a decode step: ``max_num_seqs``, or with speculative decoding
     the verified rows of the requests that may draft (each its own sequence), within the

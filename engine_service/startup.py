@@ -404,9 +404,10 @@ def _speculator(
     assert spec is not None
     device, bs, dtype = config.torch_device, config.block_size, config.torch_dtype
     measured = []
+    one_row = functools.cache(lambda: decode_seconds(model, model_config, bs, dtype, device))  # timed once
     cost = spec.draft_token_cost
     if not cost:
-        cost = token_cost(model, model_config, bs, dtype, device, min(spec.num_speculative_tokens, 8))
+        cost = token_cost(model, model_config, bs, dtype, device, min(spec.num_speculative_tokens, 8), one_row())
         measured.append("row")
     if draft is None:
         logger.info("speculative decoding (%s): a draft row costs %.3f of a decode step%s", spec.method, cost,
@@ -421,9 +422,7 @@ def _speculator(
     )
     forward_cost = spec.draft_model_cost
     if not forward_cost:
-        forward_cost = decode_seconds(draft_model, draft_config, bs, dtype, device) / decode_seconds(
-            model, model_config, bs, dtype, device
-        )
+        forward_cost = decode_seconds(draft_model, draft_config, bs, dtype, device) / one_row()
         measured.append("draft forward")
     logger.info(
         "speculative decoding with draft model %s (%d KV blocks): a draft row costs %.3f of a decode step, "

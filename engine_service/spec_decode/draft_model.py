@@ -162,12 +162,6 @@ class DraftModel:
         seq.last_used = self._step
         return seq
 
-    def output_lag(self, request: Request) -> int:
-        """Output tokens of ``request`` whose KV the draft does not hold."""
-        seq = self._seqs.get(request.request_id)
-        held = 0 if seq is None else _still_valid(seq, request.all_token_ids)
-        return request.num_tokens - max(held, request.num_prompt_tokens)
-
     # ---- drafting ------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -181,12 +175,14 @@ class DraftModel:
         for request, k in wanted:
             tokens = request.all_token_ids
             k = min(k, self.max_model_len - len(tokens))
-            if k <= 0 or self.output_lag(request) > MAX_OUTPUT_LAG:
-                continue
+            held = self._seqs.get(request.request_id)
+            start = 0 if held is None else _still_valid(held, tokens)  # where its catch-up starts
+            if k <= 0 or len(tokens) - max(start, request.num_prompt_tokens) > MAX_OUTPUT_LAG:
+                continue  # (the second: output tokens the draft would have to catch up on)
             # Positions written: the catch-up's, up to len(tokens) - 1, then drafts 1..k-1.
             seq = self._reserve(request.request_id, len(tokens) + k - 1, drafting)
             if seq is not None:
-                plans[request.request_id] = _Plan(seq, tokens, _still_valid(seq, tokens), k)
+                plans[request.request_id] = _Plan(seq, tokens, start, k)
         # 1. Catch up to each request's last token, at most max_chunk_tokens a forward; the
         #    last token's row gives the first draft.
         while True:
@@ -281,7 +277,6 @@ def _still_valid(seq: _Seq, tokens: list[int]) -> int:
     while start < end and seq.tokens[start] == tokens[start]:
         start += 1
     return start
-
 
 
 def load_draft_model(config: EngineConfig, ops: KernelOps, target: ModelConfig,

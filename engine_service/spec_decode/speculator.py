@@ -198,8 +198,7 @@ class Speculator(SchedulerFeature):
         """(k, cost, rate): how many tokens ``request`` drafts this step (0: none), the
         cost of a draft token as a share of the step, and its acceptance rate. A request
         whose rate makes a plain step best drafts one token every ``probe_interval`` steps."""
-        limit = self.config.disable_by_batch_size
-        if (limit and num_running > limit) or not self._eligible(request):
+        if self._off_under_load(num_running) or not self._eligible(request):
             return 0, 0.0, 0.0
         room = self._room(request, budget, max_model_len)
         if room <= 0:
@@ -221,14 +220,11 @@ class Speculator(SchedulerFeature):
     def may_draft(self, running: Sequence[Request]) -> bool:
         """Whether a request of ``running`` may draft in the next step, its tokens in flight
         counted as known (async scheduling completes them first)."""
-        limit = self.config.disable_by_batch_size
-        if limit and len(running) > limit:
+        if self._off_under_load(len(running)):
             return False
         cost = self.step_share(len(running)) + self.draft_cost
         for request in running:
-            params = request.sampling_params
-            decoding = request.num_computed_tokens == request.num_tokens + request.num_output_placeholders - 1
-            if not (decoding and params.speculative and request.pooling_params is None):
+            if not self._eligible(request, in_flight_known=True):
                 continue
             acceptance = self._acceptance.get(request.request_id)
             if acceptance is None or acceptance.idle + 1 >= self.config.probe_interval:
@@ -243,8 +239,7 @@ class Speculator(SchedulerFeature):
         if self._lifecycle is None:
             return
         running = self._lifecycle.running
-        limit = self.config.disable_by_batch_size
-        if limit and len(running) > limit:
+        if self._off_under_load(len(running)):
             return
         if self._suffix is not None:
             for _ in range(min(len(self._finished), FINISHED_PER_STEP)):
@@ -279,15 +274,24 @@ class Speculator(SchedulerFeature):
         draft, probs = self._suffix.propose_with_probs(request.request_id, room)
         return draft[: best_prefix([min(p, rate**i) for i, p in enumerate(probs, 1)], cost)]
 
+    def _off_under_load(self, num_running: int) -> bool:
+        """No drafts in a step of more than ``disable_by_batch_size`` running requests."""
+        limit = self.config.disable_by_batch_size
+        return bool(limit) and num_running > limit
+
     @staticmethod
-    def _eligible(request: Request) -> bool:
-        params = request.sampling_params
+    def _eligible(request: Request, in_flight_known: bool = False) -> bool:
+        """``request`` decodes (one known token left to compute) and may draft.
+        ``in_flight_known``: the tokens of the step in flight counted as known (async
+        scheduling completes it before a step with drafts); else a request with one does not."""
+        pending = request.num_output_placeholders
+        if pending and not in_flight_known:
+            return False
         return (
-            request.num_output_placeholders == 0
-            and request.num_computed_tokens == request.num_tokens - 1
+            request.num_computed_tokens == request.num_tokens + pending - 1
             and request.pooling_params is None
             and not request.prompt_logprobs_pending
-            and params.speculative
+            and request.sampling_params.speculative
         )
 
     def record(self, request: Request, num_drafted: int, num_accepted: int) -> None:

@@ -39,8 +39,8 @@ def decode_seconds(
 
 
 def token_cost(model: torch.nn.Module, model_config: ModelConfig, block_size: int, dtype: torch.dtype,
-               device: torch.device, k: int) -> float:
-    """A verified draft row's share of a batch-1 decode step, from steps of 1 and 1 + k rows."""
-    one = decode_seconds(model, model_config, block_size, dtype, device)
+               device: torch.device, k: int, one: float) -> float:
+    """A verified draft row's share of a batch-1 decode step, from steps of 1 + k rows and
+    of one row (``one``: its ``decode_seconds``)."""
     more = decode_seconds(model, model_config, block_size, dtype, device, rows=1 + k)
     return max(0.0, (more - one) / (k * one))
