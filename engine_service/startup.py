@@ -45,9 +45,8 @@ from engine_service.models.decoder import DecoderForCausalLM
 from engine_service.models.loader import load_model
 from engine_service.profiler import Profiler
 from engine_service.scheduler import Scheduler
-from engine_service.spec_decode.draft_model import DraftModel, load_draft_model
-from engine_service.spec_decode.speculator import Speculator
-from engine_service.spec_decode.step_costs import decode_seconds, token_cost
+from engine_service.spec_decode.build import build_speculator
+from engine_service.spec_decode.draft_model import load_draft_model
 from engine_service.step_observer import StepObserver
 from engine_service.step_outputs import StepOutputs
 from engine_service.structured_output import StructuredOutputManager
@@ -180,7 +179,7 @@ def start_up(
         on_failure.callback(structured.close)
         speculator = None
         if config.speculative is not None:
-            speculator = _speculator(config, ops, model, model_config, num_blocks, draft)
+            speculator = build_speculator(config, ops, model, model_config, num_blocks, draft)
         # Async scheduling is its own scheduler and step, chosen here once.
         scheduler = (AsyncScheduler if config.async_scheduling else Scheduler)(
             kv_manager,
@@ -391,45 +390,6 @@ def num_kv_blocks(
             "KV-cache budget or lower max_model_len"
         )
     return num_blocks
-
-
-def _speculator(
-    config: EngineConfig, ops: KernelOps, model: torch.nn.Module, model_config: ModelConfig, num_blocks: int,
-    draft: tuple[torch.nn.Module, ModelConfig, int] | None,
-) -> Speculator:
-    """Speculative decoding's scheduler feature; with a draft model (``load_draft_model``'s),
-    its KV cache of ``num_blocks`` blocks. The costs of a draft row and a draft forward are
-    the config's, or measured here (step_costs.py)."""
-    spec = config.speculative
-    assert spec is not None
-    device, bs, dtype = config.torch_device, config.block_size, config.torch_dtype
-    measured = []
-    one_row = functools.cache(lambda: decode_seconds(model, model_config, bs, dtype, device))  # timed once
-    cost = spec.draft_token_cost
-    if not cost:
-        cost = token_cost(model, model_config, bs, dtype, device, min(spec.num_speculative_tokens, 8), one_row())
-        measured.append("row")
-    if draft is None:
-        logger.info("speculative decoding (%s): a draft row costs %.3f of a decode step%s", spec.method, cost,
-                    " (measured)" if measured else "")
-        return Speculator(spec, cost)
-    draft_model, draft_config, draft_len = draft
-    allocate = functools.partial(allocate_kv_caches, draft_config, num_blocks, bs, dtype, device)
-    proposer = DraftModel(
-        draft_model, allocate(), num_blocks, bs, draft_len, config.max_num_batched_tokens, device,
-        reload=lambda: load_draft_model(config, ops, model_config, draft_len)[0],
-        allocate=allocate,
-    )
-    forward_cost = spec.draft_model_cost
-    if not forward_cost:
-        forward_cost = decode_seconds(draft_model, draft_config, bs, dtype, device) / one_row()
-        measured.append("draft forward")
-    logger.info(
-        "speculative decoding with draft model %s (%d KV blocks): a draft row costs %.3f of a decode step, "
-        "a draft forward %.3f%s", spec.model, num_blocks, cost, forward_cost,
-        f" (measured: {', '.join(measured)})" if measured else "",
-    )
-    return Speculator(spec, cost, proposer, forward_cost)
 
 
 def admission_limits(config: EngineConfig, num_blocks: int) -> AdmissionLimits:
